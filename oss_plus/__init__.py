@@ -1,0 +1,7 @@
+"""oss_plus: sharded optimizer state (ZeRO stage 1) on torch.distributed."""
+
+from oss_plus.optimizer import OSS
+from oss_plus.partition import ParamSpec, Rule, assign_owners
+
+__all__ = ["OSS", "ParamSpec", "Rule", "assign_owners"]
+__version__ = "0.1.0"
