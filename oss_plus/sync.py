@@ -1,8 +1,8 @@
 """Parameter synchronisation after the local step: flat buckets, broadcasts, wire compression.
 
 Layout (fairscale's): for every (device, dtype, owner rank) there is one flat buffer holding
-that owner's *trainable* parameters in ascending element count; each parameter's ``.data`` is
-a view into its buffer, so the owner's update lands in the buffer with no copy and one
+that owner's *trainable* parameters in ascending element count, each starting at an aligned
+offset (see :func:`alignment`); each parameter's ``.data`` is a view into its buffer, so the owner's update lands in the buffer with no copy and one
 broadcast per buffer brings every replica up to date. Frozen parameters are never sent.
 
 Compression: when a wire dtype narrower than a bucket's dtype is requested (fp16/bf16), the
@@ -65,6 +65,21 @@ class Bucket:
         return self.wire[dtype]
 
 
+def alignment(device: torch.device, dtype: torch.dtype) -> int:
+    """Return the element alignment of a param inside a bucket.
+
+    Each param starts where a standalone tensor would (64 bytes on CPU, 512 on accelerators,
+    as torch's allocators align), so kernels take the same code paths and fp32 results stay
+    bit-identical to the unsharded model's.
+    """
+    nbytes = 64 if device.type == "cpu" else 512
+    return max(1, nbytes // dtype.itemsize)
+
+
+def _padded(numel: int, align: int) -> int:
+    return -(-numel // align) * align
+
+
 def _bucket_key(p: torch.Tensor) -> tuple[str, torch.dtype]:
     return (str(p.device), p.dtype)
 
@@ -76,10 +91,15 @@ class BucketSync:
         params_by_owner: for every group-local rank, the params it owns (any order; frozen
             ones are skipped, the rest are laid out in ascending element count, stable).
         group: the process group.
+        aligned: start every param at an allocator-aligned offset (default). fairscale packs
+            params back to back; its compatibility layer passes False to match it.
     """
 
-    def __init__(self, params_by_owner: Sequence[Sequence[torch.Tensor]], group: Any) -> None:
+    def __init__(
+        self, params_by_owner: Sequence[Sequence[torch.Tensor]], group: Any, aligned: bool = True
+    ) -> None:
         self.group = group
+        self.aligned = aligned
         self.rank = dist.get_rank(group)
         self.buckets: list[Bucket] = []
         for owner, params in enumerate(params_by_owner):
@@ -88,20 +108,21 @@ class BucketSync:
             for p in trainable:
                 by_key.setdefault(_bucket_key(p), []).append(p)
             for members in by_key.values():
-                self.buckets.append(self._make_bucket(owner, members))
+                self.buckets.append(self._make_bucket(owner, members, aligned))
         self._ptrs = self._current_ptrs()
 
     @staticmethod
     @torch.no_grad()
-    def _make_bucket(owner: int, params: list[torch.Tensor]) -> Bucket:
-        total = sum(p.numel() for p in params)
-        buffer = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+    def _make_bucket(owner: int, params: list[torch.Tensor], aligned: bool) -> Bucket:
+        align = alignment(params[0].device, params[0].dtype) if aligned else 1
+        total = sum(_padded(p.numel(), align) for p in params)
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for p in params:
             view = buffer[offset : offset + p.numel()].view_as(p)
             view.copy_(p.data)
             p.data = view
-            offset += p.numel()
+            offset += _padded(p.numel(), align)
         return Bucket(owner, buffer, list(params))
 
     def _current_ptrs(self) -> list[int]:
@@ -122,7 +143,8 @@ class BucketSync:
         self._ptrs = []
 
     def wire_bytes(self, wire: torch.dtype | None = None) -> int:
-        """Return the bytes this rank sends plus receives in one :meth:`sync`."""
+        """Return the bytes one :meth:`sync` moves: every bucket once (alignment padding
+        included), whether this rank sends or receives it."""
         total = 0
         for b in self.buckets:
             dtype = wire_dtype_for(b.buffer.dtype, wire) or b.buffer.dtype

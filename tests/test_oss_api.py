@@ -1,0 +1,517 @@
+"""Behaviour of oss_plus.OSS beyond parity: inputs, groups, trainability, state dicts."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import (
+    WORLD_IDS,
+    WORLDS,
+    backward,
+    clone_model,
+    flat_params,
+    make_model,
+    params_equal,
+    state_equal,
+    train,
+)
+from oss_plus import OSS
+from oss_plus.optimizer import NOT_CONSOLIDATED
+
+
+def catch(fn, *args, **kwargs):
+    """Run fn and return (exception type name, message) or ('ok', result)."""
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return (type(exc).__name__, str(exc))
+
+
+# ------------------------------------------------------------------ inputs and stepping
+def input_forms_task(ctx):
+    results = []
+    for form in ("generator", "list", "named", "groups"):
+        model = make_model()
+        ref_model = clone_model(model)
+        params = {
+            "generator": lambda: model.parameters(),
+            "list": lambda: list(model.parameters()),
+            "named": lambda: model.named_parameters(),
+            "groups": lambda: [{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}],
+        }[form]()
+        opt = OSS(params, optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+        train(model, opt, 3)
+        train(ref_model, torch.optim.Adam(ref_model.parameters(), lr=0.01), 3)
+        results.append((form, params_equal(model, ref_model)))
+    return results
+
+
+def test_accepts_generators_lists_named_parameters_and_groups(pool):
+    for rank_result in pool.run(input_forms_task, world_size=2):
+        assert all(ok for _, ok in rank_result), rank_result
+
+
+def named_state_dict_task(ctx):
+    model = make_model()
+    opt = OSS(model.named_parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    train(model, opt, 1)
+    sd = opt.state_dict(all_ranks=True)
+    return sd["param_groups"][0]["param_names"], [g.get("param_names") for g in opt.optim.param_groups]
+
+
+def test_named_parameters_keep_names_in_state_dict(pool):
+    names, local = pool.run(named_state_dict_task, world_size=2)[1]
+    assert names == [n for n, _ in make_model().named_parameters()]
+    assert local[0] and set(local[0]) < set(names)
+
+
+class KwargSGD(torch.optim.SGD):
+    def step(self, closure=None, scale=1.0):
+        for group in self.param_groups:
+            group["seen_scale"] = scale
+        return super().step(closure)
+
+
+def closure_and_kwargs_task(ctx):
+    model = make_model()
+    opt = OSS(model.parameters(), optim=KwargSGD, group=ctx.group, lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        return backward(model, 0)
+
+    loss = opt.step(closure, scale=3.0)
+    return float(loss), opt.param_groups[0]["seen_scale"], float(make_model()(torch.zeros(1, 6)).sum())
+
+
+def test_step_returns_closure_loss_passes_kwargs_and_copies_new_keys_back(pool):
+    results = pool.run(closure_and_kwargs_task, world_size=2)
+    expected = make_model()(torch.randn(5, 6, generator=torch.Generator().manual_seed(100))).pow(2).mean().item()
+    for loss, seen, _ in results:
+        assert loss == pytest.approx(expected)
+        assert seen == 3.0  # a key the inner optimizer added reached the global groups
+
+
+def scheduler_task(ctx):
+    model = make_model()
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.5, momentum=0.9)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.5, momentum=0.9)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref)]
+    for step in range(4):
+        for m, o, s in ((model, opt, scheds[0]), (ref_model, ref, scheds[1])):
+            o.zero_grad()
+            backward(m, step)
+            o.step()
+            s.step()
+    return params_equal(model, ref_model), opt.optim.param_groups[0]["lr"], opt.param_groups[0]["lr"]
+
+
+def test_lr_scheduler_reaches_the_local_optimizer(pool):
+    for same, inner_lr, lr in pool.run(scheduler_task, world_size=3):
+        assert same
+        assert lr == 0.5 * 0.5**4
+        assert inner_lr == 0.5 * 0.5**3  # synced at the next step, like fairscale
+
+
+def zero_grad_task(ctx):
+    model = make_model()
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+    backward(model, 0)
+    opt.zero_grad()
+    none = all(p.grad is None for p in model.parameters())
+    backward(model, 0)
+    opt.zero_grad(set_to_none=False)
+    zeros = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    return none and zeros
+
+
+def test_zero_grad_covers_all_params(pool):
+    assert all(pool.run(zero_grad_task, world_size=2))
+
+
+# ------------------------------------------------------------------ layout and sync
+def bucket_task(ctx):
+    model = make_model()
+    frozen = list(model.parameters())[0]
+    frozen.requires_grad_(False)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    buffers = [b.buffer.data_ptr() for b in opt.sync_buckets.buckets]
+    train(model, opt, 3)
+    same_buffers = buffers == [b.buffer.data_ptr() for b in opt.sync_buckets.buckets]
+    views = all(
+        p.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+        for b in opt.sync_buckets.buckets for p in b.params
+    )
+    ascending = all(
+        [p.numel() for p in b.params] == sorted(p.numel() for p in b.params) for b in opt.sync_buckets.buckets
+    )
+    bucketed = {id(p) for b in opt.sync_buckets.buckets for p in b.params}
+    only_trainable = bucketed == {id(p) for p in model.parameters() if p.requires_grad}
+    aligned = all(p.data_ptr() % 64 == 0 for b in opt.sync_buckets.buckets for p in b.params)
+    owners = {b.owner for b in opt.sync_buckets.buckets}
+    return same_buffers, views, ascending, only_trainable, aligned, len(opt.sync_buckets.buckets), owners
+
+
+def test_one_preallocated_flat_bucket_per_owner_and_frozen_params_never_sent(pool):
+    for same, views, ascending, only_trainable, aligned, count, owners in pool.run(bucket_task, world_size=2):
+        assert same and views and ascending and aligned
+        assert only_trainable  # the frozen param is not on the wire
+        assert count == len(owners) == 2
+
+
+def realloc_task(ctx):
+    model = make_model()
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, 1)
+    train(ref_model, ref, 1)
+    for p in model.parameters():  # what module.to(...) / .double().float() does
+        p.data = p.data.clone()
+    train(model, opt, 2, start=1)
+    train(ref_model, ref, 2, start=1)
+    return params_equal(model, ref_model), flat_params(model)
+
+
+def test_params_reallocated_after_construction_are_rebucketed(pool):
+    results = pool.run(realloc_task, world_size=2)
+    assert all(same for same, _ in results)
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def mixed_dtype_task(ctx):
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(5))
+    b = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+    c = torch.nn.Parameter(torch.randn(3))
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in (a, b, c)]
+    opt = OSS([{"params": []}, {"params": [a, b, c]}], optim=torch.optim.Adam, group=ctx.group, lr=0.1)
+    ref_opt = torch.optim.Adam([{"params": []}, {"params": ref}], lr=0.1)
+    for _ in range(3):
+        for params, o in (((a, b, c), opt), (ref, ref_opt)):
+            o.zero_grad()
+            sum((p.double() ** 2).sum() for p in params).backward()
+            o.step()
+    return all(torch.equal(x, y) for x, y in zip((a, b, c), ref)), b.dtype
+
+
+def test_mixed_dtypes_and_an_empty_first_group(pool):
+    for same, dtype in pool.run(mixed_dtype_task, world_size=2):
+        assert same and dtype == torch.float64
+
+
+def independent_groups_task(ctx):
+    mine = ctx.groups[(0, 1)] if ctx.global_rank < 2 else ctx.groups[(2, 3)]
+    model = make_model(seed=ctx.global_rank // 2)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=mine, lr=0.01)
+    train(model, opt, 2)
+    return flat_params(model)
+
+
+def test_two_independent_groups_at_once(pool):
+    r = pool.run(independent_groups_task, ranks=(0, 1, 2, 3))
+    assert torch.equal(r[0], r[1]) and torch.equal(r[2], r[3])
+    assert not torch.equal(r[0], r[2])
+
+
+# ------------------------------------------------------------------ trainability
+def add_group_task(ctx):
+    """fairscale #3: freeze, train, then add a group; no param with state may move."""
+    model = make_model()
+    ref_model = clone_model(model)
+    extra = torch.nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(5)))
+    ref_extra = torch.nn.Parameter(extra.detach().clone())
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, 2)
+    train(ref_model, ref, 2)
+    before = dict(opt.param_to_rank)
+    list(model.parameters())[0].requires_grad_(False)  # trainability changes, no refresh yet
+    list(ref_model.parameters())[0].requires_grad_(False)
+    opt.add_param_group({"params": [extra], "lr": 0.05})
+    ref.add_param_group({"params": [ref_extra], "lr": 0.05})
+    kept = all(before[p] == opt.param_to_rank[p] for p in before)
+    for step in range(2, 5):
+        for m, e, o in ((model, extra, opt), (ref_model, ref_extra, ref)):
+            o.zero_grad()
+            (m(torch.ones(1, 6) * step).sum() * e.sum()).backward()
+            o.step()
+    return kept, params_equal(model, ref_model) and torch.equal(extra, ref_extra), flat_params(model)
+
+
+def test_add_param_group_never_moves_params_with_state(pool):
+    results = pool.run(add_group_task, world_size=3)
+    for kept, exact, params in results:
+        assert kept
+        assert exact, "updates lost after add_param_group (fairscale #3)"
+        assert torch.equal(params, results[0][2])
+
+
+def added_frozen_then_unfrozen_task(ctx):
+    """torch ZeRO #1: a group added frozen and unfrozen later must be broadcast."""
+    model = make_model()
+    ref_model = clone_model(model)
+    extra = torch.nn.Parameter(torch.ones(30), requires_grad=False)
+    ref_extra = torch.nn.Parameter(torch.ones(30), requires_grad=False)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt.add_param_group({"params": [extra]})
+    ref.add_param_group({"params": [ref_extra]})
+    extra.requires_grad_(True)
+    ref_extra.requires_grad_(True)
+    for _ in range(2):
+        for e, o in ((extra, opt), (ref_extra, ref)):
+            o.zero_grad()
+            (e * 3).sum().backward()
+            o.step()
+    return extra.detach().clone(), torch.equal(extra, ref_extra)
+
+
+def test_group_added_frozen_then_unfrozen_is_synced(pool):
+    results = pool.run(added_frozen_then_unfrozen_task, world_size=2)
+    assert all(ok for _, ok in results)
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.allclose(results[0][0], torch.full((30,), 1 - 2 * 0.3))
+
+
+def refresh_task(ctx, automatic):
+    torch.manual_seed(0)
+    big = [torch.nn.Parameter(torch.randn(50)) for _ in range(4)]
+    small = [torch.nn.Parameter(torch.randn(5)) for _ in range(4)]
+    params = big + small
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(ref_params, lr=0.1, momentum=0.9)
+
+    def step(step_no):
+        for ps, o in ((params, opt), (ref_params, ref)):
+            o.zero_grad()
+            sum(((p * (i + step_no + 1)) ** 2).sum() for i, p in enumerate(ps) if p.requires_grad).backward()
+            o.step()
+
+    step(0)
+    step(1)
+    owners_before = [opt.param_to_rank[p] for p in params]
+    for ps in (params, ref_params):
+        for p in (ps[0], ps[2]):
+            p.requires_grad_(False)
+    if not automatic:
+        opt.refresh_trainable()
+    step(2)
+    owners_mid = [opt.param_to_rank[p] for p in params]
+    for ps in (params, ref_params):
+        for p in (ps[0], ps[2]):
+            p.requires_grad_(True)
+    step(3)
+    step(4)
+    exact = all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    momentum_kept = all(
+        "momentum_buffer" in opt.optim.state[p] for p in params if opt.param_to_rank[p] == ctx.rank
+    )
+    return owners_before, owners_mid, exact, momentum_kept, torch.cat([p.detach() for p in params])
+
+
+@pytest.mark.parametrize("automatic", [False, True], ids=["explicit", "at_step"])
+def test_refresh_trainable_repartitions_and_keeps_state(pool, automatic):
+    results = pool.run(refresh_task, automatic, world_size=2)
+    before, mid, _, _, _ = results[0]
+    assert before != mid, "refresh_trainable did not repartition (fairscale #4)"
+    # balanced over what is trainable now: two big frozen params weigh 1 each
+    for _, _, exact, momentum_kept, params in results:
+        assert exact, "a param lost its momentum when it changed owner"
+        assert momentum_kept
+        assert torch.equal(params, results[0][4])
+
+
+# ------------------------------------------------------------------ state dicts
+def consolidate_task(ctx, recipient):
+    model = make_model()
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    before = catch(opt.state_dict)
+    train(model, opt, 2)
+    train(ref_model, ref, 2)
+    opt.consolidate_state_dict(recipient_rank=recipient)
+    got = catch(opt.state_dict)
+    if got[0] != "ok":
+        return before, got, None, opt._consolidated is None
+    sd = got[1]
+    plain = torch.optim.Adam(clone_model(model).parameters(), lr=0.01)
+    plain.load_state_dict(copy.deepcopy(sd))
+    return before, ("ok", None), state_equal(sd, ref.state_dict()), True
+
+
+@pytest.mark.parametrize("recipient", [0, 1, -1])
+def test_consolidate_state_dict_on_one_or_all_ranks(pool, recipient):
+    results = pool.run(consolidate_task, recipient, world_size=3)
+    for rank, (before, got, equal, _) in enumerate(results):
+        assert before[0] == "RuntimeError" and "consolidate_state_dict" in before[1]
+        if recipient in (-1, rank):
+            assert got[0] == "ok" and equal, "consolidated state differs from the unsharded one"
+        else:
+            assert got == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank))
+
+
+def all_ranks_task(ctx):
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    train(model, opt, 1)
+    sd = opt.state_dict(all_ranks=True)
+    train(model, opt, 1, start=1)
+    stale = catch(opt.state_dict)
+    return sorted(sd["state"]), stale[0]
+
+
+def test_state_dict_all_ranks_and_the_copy_is_dropped_at_the_next_step(pool):
+    for keys, stale in pool.run(all_ranks_task, ranks=(2, 3)):
+        assert keys == list(range(8))
+        assert stale == "RuntimeError"
+
+
+def save_task(ctx, name, steps):
+    model = make_model()
+    optim = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    opt = OSS(model.parameters(), optim=optim, group=ctx.group, lr=0.01, **({"momentum": 0.9} if name == "sgd" else {}))
+    train(model, opt, steps)
+    return opt.state_dict(all_ranks=True), flat_params(model)
+
+
+def load_task(ctx, sd, params, name, steps):
+    model = make_model()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(params, model.parameters())
+    ref_model = clone_model(model)
+    optim = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    kw = {"momentum": 0.9} if name == "sgd" else {}
+    opt = OSS(model.parameters(), optim=optim, group=ctx.group, lr=0.5, **kw)
+    ref = optim(ref_model.parameters(), lr=0.5, **kw)
+    original = copy.deepcopy(sd)
+    opt.load_state_dict(sd)
+    untouched = state_equal(sd, original)
+    ref.load_state_dict(copy.deepcopy(sd))
+    train(model, opt, steps, start=10)
+    train(ref_model, ref, steps, start=10)
+    return untouched and state_equal(sd, original), params_equal(model, ref_model), opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_load_state_dict_at_any_world_size_without_mutating_it(pool, name):
+    sd, params = pool.run(save_task, name, 3, world_size=2)[0]
+    for world in ({"world_size": 1}, {"world_size": 3}, {"world_size": 4}, {"ranks": (2, 3)}):
+        for untouched, same, lr in pool.run(load_task, sd, params, name, 3, **world):
+            assert untouched, "load_state_dict mutated the caller's dict"
+            assert same
+            assert lr == 0.01  # hyperparameters come from the state dict
+
+
+def plain_to_oss_task(ctx):
+    model = make_model()
+    ref_model = clone_model(model)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    train(ref_model, ref, 2)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            p.copy_(q)
+    opt.load_state_dict(ref.state_dict())
+    train(model, opt, 2, start=2)
+    train(ref_model, ref, 2, start=2)
+    return params_equal(model, ref_model)
+
+
+def test_load_a_plain_torch_state_dict(pool):
+    assert all(pool.run(plain_to_oss_task, world_size=3))
+
+
+def bad_load_task(ctx):
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    good = torch.optim.Adam(clone_model(model).parameters(), lr=0.01)
+    other = torch.optim.Adam(make_model(width=7).parameters(), lr=0.01)
+    for p in other.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    other.step()
+    sd = good.state_dict()
+    two_groups = {"state": {}, "param_groups": [dict(sd["param_groups"][0], params=[0, 1]), dict(sd["param_groups"][0], params=list(range(2, 8)))]}
+    fewer = {"state": {}, "param_groups": [dict(sd["param_groups"][0], params=[0, 1, 2])]}
+    return [catch(opt.load_state_dict, d) for d in (two_groups, fewer, other.state_dict(), {"nope": 1})]
+
+
+def test_load_state_dict_errors_name_group_index_and_shape(pool):
+    groups, count, shape, junk = pool.run(bad_load_task, world_size=2)[0]
+    assert groups[0] == "ValueError" and "2 param groups" in groups[1]
+    assert count[0] == "ValueError" and "group 0" in count[1] and "3 params" in count[1]
+    assert shape[0] == "ValueError" and "state[0]['exp_avg'] has shape (9, 7) but parameter 0 has shape (8, 6)" in shape[1]
+    assert junk[0] == "ValueError" and "'state' and 'param_groups'" in junk[1]
+
+
+# ------------------------------------------------------------------ bad input
+def mismatch_task(ctx):
+    model = make_model(width=6 if ctx.rank == 0 else 7)
+    return catch(OSS, model.parameters(), group=ctx.group, lr=0.1)
+
+
+def test_different_models_raise_a_clear_error_on_every_rank(pool):
+    results = pool.run(mismatch_task, world_size=3, timeout=30)
+    for kind, message in results:
+        assert kind == "ValueError"
+        assert "hold different models" in message and "param 0 of group 0" in message
+
+
+def one_rank_bad_input_task(ctx):
+    params = [torch.zeros(2, requires_grad=True)] if ctx.rank else []
+    return catch(OSS, params, group=ctx.group, lr=0.1)
+
+
+def test_bad_input_on_one_rank_fails_every_rank_without_a_hang(pool):
+    results = pool.run(one_rank_bad_input_task, world_size=2, timeout=30)
+    assert results[0][0] == "ValueError" and "empty parameter list" in results[0][1]
+    assert results[1][0] == "RuntimeError" and "rank(s) [0]" in results[1][1]
+
+
+def bad_input_task(ctx):
+    p = torch.nn.Parameter(torch.zeros(3))
+    cases = {
+        "empty": ([], {}),
+        "non_tensor": ([p, 1.0], {}),
+        "sparse": ([torch.zeros(2, 2).to_sparse().requires_grad_()], {}),
+        "twice": ([p, p], {}),
+        "optim_not_class": ([p], {"optim": torch.nn.Linear}),
+        "optim_instance": ([p], {"optim": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1)}),
+        "bad_wire": ([p], {"broadcast_dtype": torch.int8}),
+    }
+    return {k: catch(OSS, params, group=ctx.group, lr=0.1, **kw) for k, (params, kw) in cases.items()}
+
+
+def test_bad_input_raises_clear_errors(pool):
+    for result in pool.run(bad_input_task, world_size=2):
+        assert result["empty"][0] == "ValueError"
+        assert result["non_tensor"][0] == "TypeError" and "float" in result["non_tensor"][1]
+        assert result["sparse"][0] == "ValueError" and "sparse" in result["sparse"][1]
+        assert result["twice"][0] == "ValueError" and "same tensor" in result["twice"][1]
+        assert result["optim_not_class"][0] == "TypeError" and "Linear" in result["optim_not_class"][1]
+        assert result["optim_instance"][0] == "TypeError" and "instance" in result["optim_instance"][1]
+        assert result["bad_wire"][0] == "ValueError" and "broadcast_dtype" in result["bad_wire"][1]
+
+
+def test_no_process_group_gives_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        OSS([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def default_group_task(ctx):
+    model = make_model()
+    opt = OSS(model.parameters(), lr=0.1)  # group=None -> WORLD
+    train(model, opt, 1)
+    return opt.world_size, flat_params(model)
+
+
+def test_group_none_means_world(pool):
+    results = pool.run(default_group_task, world_size=4)
+    assert all(ws == dist_ws for (ws, _), dist_ws in zip(results, [4] * 4))
+    assert all(torch.equal(r[1], results[0][1]) for r in results)
