@@ -1,17 +1,31 @@
-"""Command line: ``python -m oss_plus demo | bench | ckpt ...`` (also ``oss-plus``)."""
+"""Command line: ``python -m oss_plus demo | bench | ckpt ...`` (also ``oss-plus``).
+
+Each subcommand lives with its feature: a module listed in :data:`COMMANDS` exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (``args -> exit code``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
+#: Subcommand name -> module that registers it.
+COMMANDS = {
+    "demo": "oss_plus.demo",
+    "bench": "benchmarks.cli",
+    "ckpt": "oss_plus.checkpoint_cli",
+}
 
-def _demo(args: argparse.Namespace) -> int:
-    from oss_plus.demo import run_demo
 
-    print(run_demo(world_size=args.world_size, steps=args.steps, width=args.width, depth=args.depth))
-    return 0
+def _register_unavailable(sub: argparse._SubParsersAction, name: str, reason: str) -> None:
+    parser = sub.add_parser(name, help=f"(unavailable: {reason})")
+
+    def fail(_: argparse.Namespace) -> int:
+        raise RuntimeError(f"'{name}' is unavailable here: {reason}")
+
+    parser.set_defaults(func=fail)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,17 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="oss-plus",
         description="oss_plus: sharded optimizer state (ZeRO-1) for torch.distributed.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="train a small model with DDP + OSS on local gloo ranks and print a report",
-        description="Spawn local gloo ranks, train a small MLP with DDP + oss_plus.OSS(Adam) and "
-                    "with DDP + plain Adam, and compare losses, state size and step time.",
-    )
-    demo.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
-    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    demo.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
-    demo.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
-    demo.set_defaults(func=_demo)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise
+            where = "run it from a source checkout of oss_plus" if name == "bench" else "not built yet"
+            _register_unavailable(sub, name, where)
+            continue
+        module.register(sub)
     return parser
 
 
@@ -39,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"oss-plus {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Any
@@ -88,3 +89,22 @@ def run_demo(world_size: int = 2, steps: int = 20, width: int = 256, depth: int 
     lines.append("parameters and losses bit-identical to unsharded Adam on every rank: "
                  + ("yes" if same else "NO"))
     return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    print(run_demo(world_size=args.world_size, steps=args.steps, width=args.width, depth=args.depth))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand to the ``oss-plus`` parser."""
+    demo = sub.add_parser(
+        "demo", help="train a small model with DDP + OSS on local gloo ranks and print a report",
+        description="Spawn local gloo ranks, train a small MLP with DDP + oss_plus.OSS(Adam) and "
+                    "with DDP + plain Adam, and compare losses, state size and step time.",
+    )
+    demo.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    demo.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
+    demo.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
+    demo.set_defaults(func=_run)

@@ -221,8 +221,12 @@ class OSS(Optimizer):
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self._flat_params()]
 
+    def _owned_indices(self) -> list[int]:
+        """Flat indices of the params this rank owns, in flat order."""
+        return [i for i, o in enumerate(o for owners in self._owners for o in owners) if o == self.rank]
+
     def _local_states(self) -> dict[int, ParamState]:
-        """This rank's optimizer state keyed by flat index."""
+        """This rank's optimizer state keyed by flat index (the inner dicts are new)."""
         index = {id(p): i for i, p in enumerate(self._flat_params())}
         return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
 
@@ -400,11 +404,23 @@ class OSS(Optimizer):
         """
         shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
         validate_state_dict(state_dict, shapes)
-        saved = saved_state_by_flat_index(state_dict)
-        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+        self._load_param_groups(state_dict["param_groups"])
+        self._load_local_states(saved_state_by_flat_index(state_dict))
+
+    def _load_param_groups(self, saved_groups: list[dict[str, Any]]) -> None:
+        """Copy the hyperparameters of ``saved_groups`` (deep copies) into the global groups."""
+        for group, saved_group in zip(self.param_groups, saved_groups):
             for key, value in saved_group.items():
                 if key != "params":
                     group[key] = copy.deepcopy(value)
+
+    def _load_local_states(self, saved: dict[int, ParamState]) -> None:
+        """Load the states of the params this rank owns from ``saved`` (flat index -> state).
+
+        Entries for params owned elsewhere are ignored; tensors are copied, never aliased,
+        and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
+        Hyperparameters come from the global groups.
+        """
         local_sd: dict[str, Any] = {"state": {}, "param_groups": []}
         position = 0
         for g, indices in enumerate(self._local_indices()):

@@ -45,9 +45,10 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,13 +136,12 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}" + (f" (killed by {signals[code]})" if code in signals else "")
 
 
-def _run_task(sys_path: list[str], payload: bytes, ranks: Ranks, global_rank: int,
-              groups: dict[Ranks, dist.ProcessGroup]) -> Any:
-    """Unpickles and runs one task on this worker; returns what the task returned."""
+def _run_task(message: Any, global_rank: int, groups: dict[Ranks, dist.ProcessGroup]) -> Any:
+    """Unpickles and runs one task message on this worker; returns what the task returned."""
+    _, ranks, sys_path, payload = message
     sys.path.extend(p for p in sys_path if p not in sys.path)
     fn, args, kwargs = pickle.loads(payload)
-    ctx = RankContext(group=groups[ranks], rank=ranks.index(global_rank), world_size=len(ranks),
-                      global_rank=global_rank, groups=groups)
+    ctx = RankContext(groups[ranks], ranks.index(global_rank), len(ranks), global_rank, groups)
     torch.manual_seed(0)
     random.seed(0)
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
@@ -153,8 +153,9 @@ def _run_task(sys_path: list[str], payload: bytes, ranks: Ranks, global_rank: in
         torch.set_grad_enabled(grad)
 
 
-def _worker_main(global_rank: int, world_size: int, port: int, pg_timeout_s: float,
-                 tasks: Any, results: Any) -> None:
+def _worker_main(
+    global_rank: int, world_size: int, port: int, pg_timeout_s: float, tasks: Any, results: Any
+) -> None:
     """Entry point of a worker process: joins the groups, then serves tasks.
 
     Args:
@@ -170,8 +171,13 @@ def _worker_main(global_rank: int, world_size: int, port: int, pg_timeout_s: flo
     timeout = timedelta(seconds=pg_timeout_s)
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=global_rank,
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=global_rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
         groups: dict[Ranks, dist.ProcessGroup] = {}
         for ranks in (r for r in GROUP_RANKS if max(r) < world_size):
             group = dist.new_group(list(ranks), timeout=timeout)
@@ -182,9 +188,10 @@ def _worker_main(global_rank: int, world_size: int, port: int, pg_timeout_s: flo
         return
     results.put(pickle.dumps((-1, global_rank, True, None)))
     while (message := tasks.get()) is not None:
-        task_id, ranks, sys_path, payload = message
+        task_id = message[0]
+        reply: tuple[int, int, bool, bytes | str]
         try:
-            data = pickle.dumps(_run_task(sys_path, payload, ranks, global_rank, groups))
+            data = pickle.dumps(_run_task(message, global_rank, groups))
             reply = (task_id, global_rank, True, data)
         except BaseException:  # noqa: BLE001 - reported to the parent
             reply = (task_id, global_rank, False, traceback.format_exc())
@@ -201,8 +208,9 @@ class WorkerPool:
         startup_timeout_s: How long to wait for all workers to join.
     """
 
-    def __init__(self, world_size: int = 4, pg_timeout_s: float = 30.0,
-                 startup_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, world_size: int = 4, pg_timeout_s: float = 30.0, startup_timeout_s: float = 60.0
+    ) -> None:
         self.world_size = world_size
         self.pg_timeout_s = pg_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -210,7 +218,7 @@ class WorkerPool:
         self._ctx.set_forkserver_preload(["torch", "torch.distributed"])
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
-        self._results: Optional[Any] = None
+        self._results: Any | None = None
         self._task_id = 0
         self._closed = False
         atexit.register(self.close)
@@ -228,21 +236,23 @@ class WorkerPool:
             port = _free_port()
             self._results = self._ctx.Queue()
             self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
-            self._procs = [self._ctx.Process(target=_worker_main, name=f"oss_plus-worker-{rank}", daemon=True,
-                                             args=(rank, self.world_size, port, self.pg_timeout_s,
-                                                   self._tasks[rank], self._results))
-                           for rank in range(self.world_size)]
-            for proc in self._procs:
-                proc.start()
+            spec = (self.world_size, port, self.pg_timeout_s)
+            self._procs = []
+            for rank, tasks in enumerate(self._tasks):
+                args = (rank, *spec, tasks, self._results)
+                name = f"oss_plus-worker-{rank}"
+                self._procs.append(self._ctx.Process(target=_worker_main, args=args, name=name))
+                self._procs[-1].daemon = True
+                self._procs[-1].start()
             try:
                 self._collect(-1, tuple(range(self.world_size)), self.startup_timeout_s)
             except PoolError as exc:
                 self._kill()
-                logger.warning("worker pool start attempt %d (port %d) failed: %s", attempt, port, exc)
+                logger.warning("pool start attempt %d (port %d) failed: %s", attempt, port, exc)
                 if attempt == attempts:
-                    raise PoolError(f"worker pool failed to start {attempts} times; last error: {exc}") from exc
+                    raise PoolError(f"pool failed to start {attempts} times: {exc}") from exc
                 continue
-            logger.info("worker pool of %d started in %.2fs", self.world_size, time.monotonic() - begin)
+            logger.info("pool of %d started in %.2fs", self.world_size, time.monotonic() - begin)
             return
 
     def _kill(self) -> None:
@@ -295,19 +305,32 @@ class WorkerPool:
             deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
         missing = [r for r in ranks if r not in values and r not in failures]
         if failures:
-            text = "\n".join(f"--- rank {ranks.index(r)} (global rank {r}) failed:\n{failures[r]}"
-                             for r in sorted(failures))
+            text = "\n".join(
+                f"--- rank {ranks.index(r)} (global rank {r}) failed:\n{failures[r]}"
+                for r in sorted(failures)
+            )
             if missing:
-                text += f"\n--- ranks {missing} (global) did not answer (likely stuck on the failure)"
-            raise RemoteError(f"task failed on {len(failures)} of {len(ranks)} ranks\n{text}", failures)
+                text += f"\n--- global ranks {missing} did not answer (stuck on the failure?)"
+            msg = f"task failed on {len(failures)} of {len(ranks)} ranks\n{text}"
+            raise RemoteError(msg, failures)
         if missing:
             local = [ranks.index(r) for r in missing]
-            raise PoolTimeout(f"ranks {local} (global ranks {missing}) of group {ranks} did not "
-                              f"answer within {timeout:.1f}s", missing)
+            raise PoolTimeout(
+                f"ranks {local} (global ranks {missing}) of group {ranks} did not "
+                f"answer within {timeout:.1f}s",
+                missing,
+            )
         return values
 
-    def run(self, fn: Callable[..., Any], *args: Any, world_size: int = 2,
-            ranks: Optional[Ranks] = None, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        world_size: int = 2,
+        ranks: Ranks | None = None,
+        timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Runs ``fn(ctx, *args, **kwargs)`` on every rank of a group.
 
         Args:
@@ -334,7 +357,7 @@ class WorkerPool:
         try:
             payload = pickle.dumps((fn, args, kwargs))
         except Exception as exc:  # pickle raises several types (PicklingError, AttributeError, ...)
-            raise TypeError(f"cannot pickle task {fn!r} (must be a module-level function): {exc}") from exc
+            raise TypeError(f"cannot pickle {fn!r} (use a module-level function): {exc}") from exc
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self._kill()
             self._start()
@@ -345,7 +368,7 @@ class WorkerPool:
         try:
             values = self._collect(self._task_id, group, timeout)
         except PoolError:
-            logger.info("task %s failed; killing all workers, they restart on the next run", fn.__name__)
+            logger.info("task %s failed: killing all workers (restarted by next run)", fn.__name__)
             self._kill()
             raise
         return [values[rank] for rank in group]
