@@ -20,11 +20,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=120),
     )
     try:
@@ -41,7 +46,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_entry, args=(world_size, free_port(), fn, args, queue),
-                       nprocs=world_size, join=True, start_method="spawn")
+    mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), fn, args, queue),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )
     results = dict(queue.get() for _ in range(world_size))
     return [results[r] for r in range(world_size)]

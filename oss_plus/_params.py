@@ -26,9 +26,7 @@ def check_optim_class(optim: Any) -> None:
                 f"optim must be a subclass of torch.optim.Optimizer, got class {optim.__name__}"
             )
     elif not callable(optim):
-        raise TypeError(
-            f"optim must be an optimizer class such as torch.optim.Adam, got {optim!r}"
-        )
+        raise TypeError(f"optim must be an optimizer class such as torch.optim.Adam, got {optim!r}")
 
 
 def normalize_params(params: Any) -> list[dict[str, Any]]:
@@ -100,7 +98,10 @@ def _check_param(tensor: Any, g: int, i: int, seen: dict[int, tuple[int, int]]) 
 
 def describe_params(groups: Sequence[dict[str, Any]]) -> list[list[str]]:
     """Return a short per-group description of every param (shape and dtype)."""
-    return [[f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"]] for g in groups]
+    return [
+        [f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}" for p in g["params"]]
+        for g in groups
+    ]
 
 
 def fingerprint(description: Iterable[Iterable[str]]) -> int:

@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name is None or not module_name.startswith(exc.name):
                 raise
-            where = "run it from a source checkout of oss_plus" if name == "bench" else "not built yet"
+            where = (
+                "run it from a source checkout of oss_plus" if name == "bench" else "not built yet"
+            )
             _register_unavailable(sub, name, where)
             continue
         module.register(sub)

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 #: Destination meaning "every rank of the group".
 ALL_RANKS = -1
+#: Where consolidated tensors land by default.
+CPU = torch.device("cpu")
 #: Small tensors are packed into messages of at most this many bytes.
 PACK_BYTES = 16 << 20
 #: Tensors at least this large travel alone, without a packing copy.
@@ -66,7 +68,10 @@ def _describe(state: ParamState) -> dict[str, Any]:
 
 def _holds_tensor(value: Any) -> bool:
     items = value.values() if isinstance(value, dict) else value
-    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and _holds_tensor(v)) for v in items)
+    return any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and _holds_tensor(v))
+        for v in items
+    )
 
 
 def _runs(
@@ -105,7 +110,7 @@ def exchange_states(
     local_states: Mapping[int, ParamState],
     transfers: list[Transfer],
     group: Any,
-    out_device: torch.device | None = torch.device("cpu"),
+    out_device: torch.device | None = CPU,
 ) -> dict[int, ParamState]:
     """Carry out ``transfers`` (collective) and return the states this rank received.
 
@@ -126,8 +131,11 @@ def exchange_states(
     .. warning:: Collective: call on every rank of ``group``.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    my_meta = {t.index: _describe(local_states[t.index]) for t in transfers
-               if t.src == rank and t.index in local_states}
+    my_meta = {
+        t.index: _describe(local_states[t.index])
+        for t in transfers
+        if t.src == rank and t.index in local_states
+    }
     metas: list[dict[int, dict[str, Any]] | None] = [None] * world
     dist.all_gather_object(metas, my_meta, group=group)
 

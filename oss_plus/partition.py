@@ -111,7 +111,9 @@ def assign_owners(
     owners: list[list[int]] = [[-1] * len(group) for group in groups]
     for (g, i), rank in fixed.items():
         if not 0 <= rank < world_size:
-            raise ValueError(f"fixed owner of param ({g}, {i}) is {rank}, outside [0, {world_size})")
+            raise ValueError(
+                f"fixed owner of param ({g}, {i}) is {rank}, outside [0, {world_size})"
+            )
         owners[g][i] = rank
         totals[rank] += rule.weight(groups[g][i])
     for g, group in enumerate(groups):

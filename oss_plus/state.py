@@ -67,8 +67,7 @@ def local_view(
     """
     offsets = group_offsets([len(g) for g in owners])
     return [
-        [offsets[g] + i for i in order if owners[g][i] == rank]
-        for g, order in enumerate(orders)
+        [offsets[g] + i for i in order if owners[g][i] == rank] for g, order in enumerate(orders)
     ]
 
 

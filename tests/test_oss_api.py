@@ -5,10 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import (
-    WORLD_IDS,
-    WORLDS,
     backward,
     clone_model,
     flat_params,
@@ -17,6 +14,7 @@ from dist_utils import (
     state_equal,
     train,
 )
+
 from oss_plus import OSS
 from oss_plus.optimizer import NOT_CONSOLIDATED
 
@@ -30,18 +28,23 @@ def catch(fn, *args, **kwargs):
 
 
 # ------------------------------------------------------------------ inputs and stepping
+def _params_in_form(model, form):
+    params = list(model.parameters())
+    if form == "generator":
+        return model.parameters()
+    if form == "named":
+        return model.named_parameters()
+    if form == "groups":
+        return [{"params": params[:2]}, {"params": params[2:]}]
+    return params
+
+
 def input_forms_task(ctx):
     results = []
     for form in ("generator", "list", "named", "groups"):
         model = make_model()
         ref_model = clone_model(model)
-        params = {
-            "generator": lambda: model.parameters(),
-            "list": lambda: list(model.parameters()),
-            "named": lambda: model.named_parameters(),
-            "groups": lambda: [{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}],
-        }[form]()
-        opt = OSS(params, optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+        opt = OSS(_params_in_form(model, form), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
         train(model, opt, 3)
         train(ref_model, torch.optim.Adam(ref_model.parameters(), lr=0.01), 3)
         results.append((form, params_equal(model, ref_model)))
@@ -55,10 +58,14 @@ def test_accepts_generators_lists_named_parameters_and_groups(pool):
 
 def named_state_dict_task(ctx):
     model = make_model()
-    opt = OSS(model.named_parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    opt = OSS(
+        model.named_parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9
+    )
     train(model, opt, 1)
     sd = opt.state_dict(all_ranks=True)
-    return sd["param_groups"][0]["param_names"], [g.get("param_names") for g in opt.optim.param_groups]
+    return sd["param_groups"][0]["param_names"], [
+        g.get("param_names") for g in opt.optim.param_groups
+    ]
 
 
 def test_named_parameters_keep_names_in_state_dict(pool):
@@ -83,12 +90,21 @@ def closure_and_kwargs_task(ctx):
         return backward(model, 0)
 
     loss = opt.step(closure, scale=3.0)
-    return float(loss), opt.param_groups[0]["seen_scale"], float(make_model()(torch.zeros(1, 6)).sum())
+    return (
+        float(loss),
+        opt.param_groups[0]["seen_scale"],
+        float(make_model()(torch.zeros(1, 6)).sum()),
+    )
 
 
 def test_step_returns_closure_loss_passes_kwargs_and_copies_new_keys_back(pool):
     results = pool.run(closure_and_kwargs_task, world_size=2)
-    expected = make_model()(torch.randn(5, 6, generator=torch.Generator().manual_seed(100))).pow(2).mean().item()
+    expected = (
+        make_model()(torch.randn(5, 6, generator=torch.Generator().manual_seed(100)))
+        .pow(2)
+        .mean()
+        .item()
+    )
     for loss, seen, _ in results:
         assert loss == pytest.approx(expected)
         assert seen == 3.0  # a key the inner optimizer added reached the global groups
@@ -106,7 +122,11 @@ def scheduler_task(ctx):
             backward(m, step)
             o.step()
             s.step()
-    return params_equal(model, ref_model), opt.optim.param_groups[0]["lr"], opt.param_groups[0]["lr"]
+    return (
+        params_equal(model, ref_model),
+        opt.optim.param_groups[0]["lr"],
+        opt.param_groups[0]["lr"],
+    )
 
 
 def test_lr_scheduler_reaches_the_local_optimizer(pool):
@@ -143,20 +163,32 @@ def bucket_task(ctx):
     same_buffers = buffers == [b.buffer.data_ptr() for b in opt.sync_buckets.buckets]
     views = all(
         p.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
-        for b in opt.sync_buckets.buckets for p in b.params
+        for b in opt.sync_buckets.buckets
+        for p in b.params
     )
     ascending = all(
-        [p.numel() for p in b.params] == sorted(p.numel() for p in b.params) for b in opt.sync_buckets.buckets
+        [p.numel() for p in b.params] == sorted(p.numel() for p in b.params)
+        for b in opt.sync_buckets.buckets
     )
     bucketed = {id(p) for b in opt.sync_buckets.buckets for p in b.params}
     only_trainable = bucketed == {id(p) for p in model.parameters() if p.requires_grad}
     aligned = all(p.data_ptr() % 64 == 0 for b in opt.sync_buckets.buckets for p in b.params)
     owners = {b.owner for b in opt.sync_buckets.buckets}
-    return same_buffers, views, ascending, only_trainable, aligned, len(opt.sync_buckets.buckets), owners
+    return (
+        same_buffers,
+        views,
+        ascending,
+        only_trainable,
+        aligned,
+        len(opt.sync_buckets.buckets),
+        owners,
+    )
 
 
 def test_one_preallocated_flat_bucket_per_owner_and_frozen_params_never_sent(pool):
-    for same, views, ascending, only_trainable, aligned, count, owners in pool.run(bucket_task, world_size=2):
+    for same, views, ascending, only_trainable, aligned, count, owners in pool.run(
+        bucket_task, world_size=2
+    ):
         assert same and views and ascending and aligned
         assert only_trainable  # the frozen param is not on the wire
         assert count == len(owners) == 2
@@ -188,7 +220,9 @@ def mixed_dtype_task(ctx):
     b = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
     c = torch.nn.Parameter(torch.randn(3))
     ref = [torch.nn.Parameter(t.detach().clone()) for t in (a, b, c)]
-    opt = OSS([{"params": []}, {"params": [a, b, c]}], optim=torch.optim.Adam, group=ctx.group, lr=0.1)
+    opt = OSS(
+        [{"params": []}, {"params": [a, b, c]}], optim=torch.optim.Adam, group=ctx.group, lr=0.1
+    )
     ref_opt = torch.optim.Adam([{"params": []}, {"params": ref}], lr=0.1)
     for _ in range(3):
         for params, o in (((a, b, c), opt), (ref, ref_opt)):
@@ -239,7 +273,11 @@ def add_group_task(ctx):
             o.zero_grad()
             (m(torch.ones(1, 6) * step).sum() * e.sum()).backward()
             o.step()
-    return kept, params_equal(model, ref_model) and torch.equal(extra, ref_extra), flat_params(model)
+    return (
+        kept,
+        params_equal(model, ref_model) and torch.equal(extra, ref_extra),
+        flat_params(model),
+    )
 
 
 def test_add_param_group_never_moves_params_with_state(pool):
@@ -289,7 +327,9 @@ def refresh_task(ctx, automatic):
     def step(step_no):
         for ps, o in ((params, opt), (ref_params, ref)):
             o.zero_grad()
-            sum(((p * (i + step_no + 1)) ** 2).sum() for i, p in enumerate(ps) if p.requires_grad).backward()
+            sum(
+                ((p * (i + step_no + 1)) ** 2).sum() for i, p in enumerate(ps) if p.requires_grad
+            ).backward()
             o.step()
 
     step(0)
@@ -375,7 +415,13 @@ def test_state_dict_all_ranks_and_the_copy_is_dropped_at_the_next_step(pool):
 def save_task(ctx, name, steps):
     model = make_model()
     optim = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
-    opt = OSS(model.parameters(), optim=optim, group=ctx.group, lr=0.01, **({"momentum": 0.9} if name == "sgd" else {}))
+    opt = OSS(
+        model.parameters(),
+        optim=optim,
+        group=ctx.group,
+        lr=0.01,
+        **({"momentum": 0.9} if name == "sgd" else {}),
+    )
     train(model, opt, steps)
     return opt.state_dict(all_ranks=True), flat_params(model)
 
@@ -395,7 +441,11 @@ def load_task(ctx, sd, params, name, steps):
     ref.load_state_dict(copy.deepcopy(sd))
     train(model, opt, steps, start=10)
     train(ref_model, ref, steps, start=10)
-    return untouched and state_equal(sd, original), params_equal(model, ref_model), opt.param_groups[0]["lr"]
+    return (
+        untouched and state_equal(sd, original),
+        params_equal(model, ref_model),
+        opt.param_groups[0]["lr"],
+    )
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
@@ -436,16 +486,27 @@ def bad_load_task(ctx):
         p.grad = torch.ones_like(p)
     other.step()
     sd = good.state_dict()
-    two_groups = {"state": {}, "param_groups": [dict(sd["param_groups"][0], params=[0, 1]), dict(sd["param_groups"][0], params=list(range(2, 8)))]}
+    two_groups = {
+        "state": {},
+        "param_groups": [
+            dict(sd["param_groups"][0], params=[0, 1]),
+            dict(sd["param_groups"][0], params=list(range(2, 8))),
+        ],
+    }
     fewer = {"state": {}, "param_groups": [dict(sd["param_groups"][0], params=[0, 1, 2])]}
-    return [catch(opt.load_state_dict, d) for d in (two_groups, fewer, other.state_dict(), {"nope": 1})]
+    return [
+        catch(opt.load_state_dict, d) for d in (two_groups, fewer, other.state_dict(), {"nope": 1})
+    ]
 
 
 def test_load_state_dict_errors_name_group_index_and_shape(pool):
     groups, count, shape, junk = pool.run(bad_load_task, world_size=2)[0]
     assert groups[0] == "ValueError" and "2 param groups" in groups[1]
     assert count[0] == "ValueError" and "group 0" in count[1] and "3 params" in count[1]
-    assert shape[0] == "ValueError" and "state[0]['exp_avg'] has shape (9, 7) but parameter 0 has shape (8, 6)" in shape[1]
+    assert (
+        shape[0] == "ValueError"
+        and "state[0]['exp_avg'] has shape (9, 7) but parameter 0 has shape (8, 6)" in shape[1]
+    )
     assert junk[0] == "ValueError" and "'state' and 'param_groups'" in junk[1]
 
 
@@ -481,10 +542,15 @@ def bad_input_task(ctx):
         "sparse": ([torch.zeros(2, 2).to_sparse().requires_grad_()], {}),
         "twice": ([p, p], {}),
         "optim_not_class": ([p], {"optim": torch.nn.Linear}),
-        "optim_instance": ([p], {"optim": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1)}),
+        "optim_instance": (
+            [p],
+            {"optim": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1)},
+        ),
         "bad_wire": ([p], {"broadcast_dtype": torch.int8}),
     }
-    return {k: catch(OSS, params, group=ctx.group, lr=0.1, **kw) for k, (params, kw) in cases.items()}
+    return {
+        k: catch(OSS, params, group=ctx.group, lr=0.1, **kw) for k, (params, kw) in cases.items()
+    }
 
 
 def test_bad_input_raises_clear_errors(pool):
@@ -493,8 +559,12 @@ def test_bad_input_raises_clear_errors(pool):
         assert result["non_tensor"][0] == "TypeError" and "float" in result["non_tensor"][1]
         assert result["sparse"][0] == "ValueError" and "sparse" in result["sparse"][1]
         assert result["twice"][0] == "ValueError" and "same tensor" in result["twice"][1]
-        assert result["optim_not_class"][0] == "TypeError" and "Linear" in result["optim_not_class"][1]
-        assert result["optim_instance"][0] == "TypeError" and "instance" in result["optim_instance"][1]
+        assert (
+            result["optim_not_class"][0] == "TypeError" and "Linear" in result["optim_not_class"][1]
+        )
+        assert (
+            result["optim_instance"][0] == "TypeError" and "instance" in result["optim_instance"][1]
+        )
         assert result["bad_wire"][0] == "ValueError" and "broadcast_dtype" in result["bad_wire"][1]
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, make_model
+
 from oss_plus import OSS
 
 OPTIMIZERS = {
@@ -26,7 +26,9 @@ def parity_task(ctx, name, two_groups, rule, steps=4):
     optim, kwargs = OPTIMIZERS[name]
     model = make_model()
     ref_model = clone_model(model)
-    opt = OSS(_groups(model, two_groups), optim=optim, group=ctx.group, partition_rule=rule, **kwargs)
+    opt = OSS(
+        _groups(model, two_groups), optim=optim, group=ctx.group, partition_rule=rule, **kwargs
+    )
     ref = optim(_groups(ref_model, two_groups), **kwargs)
     exact = []
     for step in range(steps):
@@ -34,7 +36,9 @@ def parity_task(ctx, name, two_groups, rule, steps=4):
             o.zero_grad()
             backward(m, step)
             o.step()
-        exact.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())))
+        exact.append(
+            all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+        )
     owned = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
     return {"exact": exact, "params": flat_params(model), "owned": owned}
 

@@ -8,8 +8,8 @@ import torch
 from oss_plus._params import (
     check_optim_class,
     describe_params,
-    first_difference,
     fingerprint,
+    first_difference,
     normalize_params,
 )
 
@@ -45,7 +45,9 @@ def test_sparse():
 
 def test_duplicate_names_both_positions():
     p = torch.zeros(1)
-    with pytest.raises(ValueError, match="param 0 of group 1 is the same tensor as param 0 of group 0"):
+    with pytest.raises(
+        ValueError, match="param 0 of group 1 is the same tensor as param 0 of group 0"
+    ):
         normalize_params([{"params": [p]}, {"params": [p]}])
 
 
@@ -74,5 +76,7 @@ def test_fingerprint_and_difference():
     a = describe_params([{"params": [torch.zeros(2, 3), torch.zeros(3)]}])
     b = describe_params([{"params": [torch.zeros(2, 3), torch.zeros(4)]}])
     assert fingerprint(a) != fingerprint(b)
-    assert fingerprint(a) == fingerprint(describe_params([{"params": [torch.ones(2, 3), torch.ones(3)]}]))
+    assert fingerprint(a) == fingerprint(
+        describe_params([{"params": [torch.ones(2, 3), torch.ones(3)]}])
+    )
     assert first_difference(a, b) == "param 1 of group 0 is (3,):float32 here, (4,):float32 there"

@@ -25,7 +25,10 @@ def test_local_view_respects_order():
 
 def test_pack_param_groups_deep_copies_hyperparameters():
     betas = [0.9, 0.99]
-    groups = [{"params": [torch.zeros(1)] * 2, "lr": 1.0, "betas": betas}, {"params": [torch.zeros(1)], "lr": 2.0, "betas": betas}]
+    groups = [
+        {"params": [torch.zeros(1)] * 2, "lr": 1.0, "betas": betas},
+        {"params": [torch.zeros(1)], "lr": 2.0, "betas": betas},
+    ]
     packed = pack_param_groups(groups)
     assert [g["params"] for g in packed] == [[0, 1], [2]]
     packed[0]["betas"].append(0)
@@ -40,7 +43,13 @@ SHAPES = [[torch.Size([2, 3]), torch.Size([3])], [torch.Size([4])]]
 
 
 def test_valid_state_dict_passes():
-    validate_state_dict(sd({0: {"m": torch.zeros(2, 3), "step": torch.tensor(1.0)}, 2: {"m": torch.zeros(4)}}, [[0, 1], [2]]), SHAPES)
+    validate_state_dict(
+        sd(
+            {0: {"m": torch.zeros(2, 3), "step": torch.tensor(1.0)}, 2: {"m": torch.zeros(4)}},
+            [[0, 1], [2]],
+        ),
+        SHAPES,
+    )
 
 
 def test_wrong_group_count():
@@ -54,7 +63,9 @@ def test_wrong_param_count_names_the_group():
 
 
 def test_wrong_shape_names_index_key_and_shapes():
-    with pytest.raises(ValueError, match=r"state\[1\]\['m'\] has shape \(4,\) but parameter 1 has shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"state\[1\]\['m'\] has shape \(4,\) but parameter 1 has shape \(3,\)"
+    ):
         validate_state_dict(sd({1: {"m": torch.zeros(4)}}, [[0, 1], [2]]), SHAPES)
 
 
