@@ -6,7 +6,7 @@ import os
 import signal
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +34,12 @@ def _describe(ctx: RankContext) -> dict[str, Any]:
 
 def _tensors(ctx: RankContext) -> dict[str, torch.Tensor]:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (ctx.rank + 1)
-    return {"base": base, "view": base.t()[1:], "half": base.to(torch.bfloat16), "long": base.long()}
+    return {
+        "base": base,
+        "view": base.t()[1:],
+        "half": base.to(torch.bfloat16),
+        "long": base.long(),
+    }
 
 
 def _fail_on(ctx: RankContext, failing: tuple[int, ...]) -> int:
@@ -70,7 +75,7 @@ def _two_groups(ctx: RankContext) -> tuple[float, float]:
 
 def _random_and_warn(ctx: RankContext, set_error_filter: bool) -> list[float]:
     values = torch.rand(3).tolist()
-    warnings.warn("a harmless warning", UserWarning)
+    warnings.warn("a harmless warning", UserWarning, stacklevel=1)
     if set_error_filter:
         warnings.simplefilter("error")
     return values
@@ -80,7 +85,9 @@ def _unpicklable_result(ctx: RankContext) -> Any:
     return lambda: None
 
 
-def _echo(ctx: RankContext, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
+def _echo(
+    ctx: RankContext, *args: Any, **kwargs: Any
+) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
     return ctx.rank, args, kwargs
 
 
@@ -92,12 +99,14 @@ def _assert_healthy(pool: WorkerPool) -> None:
     ("world_size", "ranks"),
     [(1, None), (2, None), (3, None), (4, None), (2, (2, 3)), (3, (1, 2, 3))],
 )
-def test_results_ordered_by_rank(pool: WorkerPool, world_size: int, ranks: Optional[tuple[int, ...]]) -> None:
+def test_results_ordered_by_rank(
+    pool: WorkerPool, world_size: int, ranks: tuple[int, ...] | None
+) -> None:
     global_ranks = ranks if ranks is not None else tuple(range(world_size))
     results = pool.run(_describe, world_size=world_size, ranks=ranks)
     expected_sum = float(sum(r + 1 for r in global_ranks))
     assert len(results) == len(global_ranks)
-    for rank, (global_rank, result) in enumerate(zip(global_ranks, results)):
+    for rank, (global_rank, result) in enumerate(zip(global_ranks, results, strict=True)):
         assert result == {
             "rank": rank,
             "world_size": len(global_ranks),
@@ -111,7 +120,8 @@ def test_results_ordered_by_rank(pool: WorkerPool, world_size: int, ranks: Optio
 
 
 def test_args_and_kwargs_are_passed(pool: WorkerPool) -> None:
-    assert pool.run(_echo, 1, "a", world_size=2, key=[3]) == [(0, (1, "a"), {"key": [3]}), (1, (1, "a"), {"key": [3]})]
+    results = pool.run(_echo, 1, "a", world_size=2, key=[3])
+    assert results == [(rank, (1, "a"), {"key": [3]}) for rank in range(2)]
 
 
 def test_tensor_results_come_back_intact(pool: WorkerPool) -> None:
@@ -153,7 +163,9 @@ def test_hang_raises_pool_timeout(pool: WorkerPool) -> None:
     _assert_healthy(pool)
 
 
-@pytest.mark.parametrize(("how", "expected"), [("exit", "exit code 3"), ("sigkill", "exit code -9 (killed by SIGKILL)")])
+@pytest.mark.parametrize(
+    ("how", "expected"), [("exit", "exit code 3"), ("sigkill", "exit code -9 (killed by SIGKILL)")]
+)
 def test_dead_worker_reported_with_exit_code(pool: WorkerPool, how: str, expected: str) -> None:
     start = time.monotonic()
     with pytest.raises(RemoteError) as info:
@@ -165,12 +177,14 @@ def test_dead_worker_reported_with_exit_code(pool: WorkerPool, how: str, expecte
 
 
 def test_two_groups_at_once(pool: WorkerPool) -> None:
-    assert pool.run(_two_groups, ranks=(0, 1, 2, 3)) == [(3.0, 4.0), (3.0, 4.0), (7.0, 4.0), (7.0, 4.0)]
+    results = pool.run(_two_groups, ranks=(0, 1, 2, 3))
+    assert results == [(3.0, 4.0), (3.0, 4.0), (7.0, 4.0), (7.0, 4.0)]
 
 
 def test_fresh_seed_and_warning_filters_per_task(pool: WorkerPool) -> None:
     first = pool.run(_random_and_warn, True, world_size=2)
-    second = pool.run(_random_and_warn, False, world_size=2)  # would raise if the "error" filter leaked
+    # The second run would raise if the first one's "error" filter leaked.
+    second = pool.run(_random_and_warn, False, world_size=2)
     torch.manual_seed(0)
     assert first == second == [torch.rand(3).tolist()] * 2
 
