@@ -585,3 +585,61 @@ def test_group_none_means_world(pool):
     results = pool.run(default_group_task, world_size=4)
     assert all(ws == dist_ws for (ws, _), dist_ws in zip(results, [4] * 4))
     assert all(torch.equal(r[1], results[0][1]) for r in results)
+
+
+def _holds_tensor(obj):
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    return False
+
+
+def no_pickled_tensors_task(ctx, recipient):
+    """Record what consolidation sends as objects and as tensors on this rank."""
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    train(model, opt, 2)
+    objects, received = [], [0]
+    real = {n: getattr(dist, n) for n in ("all_gather_object", "recv", "broadcast")}
+
+    def gather_object(out, obj, group=None):
+        objects.append(obj)
+        return real["all_gather_object"](out, obj, group=group)
+
+    def recv(tensor, *args, **kwargs):
+        received[0] += tensor.numel() * tensor.element_size()
+        return real["recv"](tensor, *args, **kwargs)
+
+    dist.all_gather_object, dist.recv = gather_object, recv
+    try:
+        opt.consolidate_state_dict(recipient_rank=recipient)
+    finally:
+        dist.all_gather_object, dist.recv = real["all_gather_object"], real["recv"]
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for s in opt.optim.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return (
+        any(_holds_tensor(o) for o in objects),
+        received[0],
+        state_bytes,
+        opt._consolidated is None,
+    )
+
+
+def test_consolidation_pickles_no_tensor_and_only_the_recipient_receives(pool):
+    results = pool.run(no_pickled_tensors_task, 1, world_size=3)
+    total_state = sum(r[2] for r in results)
+    for rank, (pickled_tensor, received, own_state, no_copy) in enumerate(results):
+        assert not pickled_tensor
+        if rank == 1:
+            # the recipient receives exactly the other ranks' state, nothing more
+            assert received == total_state - own_state
+            assert not no_copy
+        else:
+            assert received == 0 and no_copy
