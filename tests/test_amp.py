@@ -1,0 +1,279 @@
+"""ShardedGradScaler: every rank skips the same steps and keeps the same scale (no hang)."""
+
+import pytest
+import torch
+from dist_utils import WORLD_IDS, WORLDS, batch, clone_model, flat_params, make_model
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from oss_plus import OSS, ShardedGradScaler
+from oss_plus._dist import PEER_FAILED
+
+INF_STEPS = (1, 3)
+
+
+def catch(fn, *args, **kwargs):
+    """Run fn and return (exception type name, message) or ('ok', result)."""
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return (type(exc).__name__, str(exc))
+
+
+def scaled_backward(model, scaler, x):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    return loss
+
+
+def poison(ctx, model, opt, step):
+    """On the last rank only, at INF_STEPS: an inf in a grad it does not own, then one it owns."""
+    if ctx.rank != ctx.world_size - 1 or step not in INF_STEPS:
+        return
+    params = list(model.parameters())
+    mine = params
+    if isinstance(opt, OSS):
+        mine = [p for p in params if opt.param_to_rank[p] == ctx.rank]
+    others = [p for p in params if all(p is not q for q in mine)] or mine
+    target = others[0] if step == INF_STEPS[0] else mine[0]
+    target.grad.view(-1)[0] = float("inf")
+
+
+def one_rank_inf_task(ctx, steps=5):
+    """fairscale #9: no DDP averaging (each rank its own batch), an inf on one rank only."""
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    skipped, scales, norms = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        scaled_backward(model, scaler, batch(10 * step + ctx.rank))
+        poison(ctx, model, opt, step)
+        before = flat_params(model)
+        scaler.unscale_(opt)
+        norms.append(opt.clip_grad_norm(1.0))
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(torch.equal(before, flat_params(model)))
+        scales.append(scaler.get_scale())
+    return skipped, scales, flat_params(model), torch.stack(norms)
+
+
+@pytest.mark.parametrize("world", WORLDS[1:], ids=WORLD_IDS[1:])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(pool, world):
+    results = pool.run(one_rank_inf_task, timeout=30, **world)
+    for skipped, scales, params, norms in results:
+        assert [s for s, skip in enumerate(skipped) if skip] == list(INF_STEPS)
+        assert scales == [2.0**8, 2.0**7, 2.0**7, 2.0**6, 2.0**6]  # backoff twice, same everywhere
+        assert torch.equal(params, results[0][2]), "replicas diverged"
+        assert torch.equal(norms, results[0][3])
+        assert torch.isfinite(norms[[0, 2, 4]]).all()
+
+
+def plain_scaler_task(ctx):
+    """The same scenario with torch.amp.GradScaler: ranks disagree (step() is not called: the
+    rank that skips would leave the others waiting in the broadcast)."""
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaled_backward(model, scaler, batch(10 + ctx.rank))
+    poison(ctx, model, opt, INF_STEPS[0])
+    scaler.unscale_(opt)
+    return sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+
+
+def test_the_plain_grad_scaler_disagrees_between_ranks(pool):
+    found = pool.run(plain_scaler_task, world_size=2, timeout=30)
+    assert found == [0.0, 1.0]  # rank 0 would step and broadcast, rank 1 would skip: a hang
+
+
+def parity_task(ctx, clip, steps=6):
+    """Same batch everywhere: OSS + ShardedGradScaler == plain Adam + torch.amp.GradScaler."""
+    model = make_model()
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+    scales, norms = [], []
+    for step in range(steps):
+        for m, o, s in ((model, opt, scaler), (ref_model, ref, ref_scaler)):
+            o.zero_grad()
+            scaled_backward(m, s, batch(step) * 30)
+            if clip:
+                s.unscale_(o)
+                norms.append(
+                    o.clip_grad_norm(0.2) if o is opt
+                    else torch.nn.utils.clip_grad_norm_(m.parameters(), 0.2)
+                )
+            s.step(o)
+            s.update()
+        scales.append((scaler.get_scale(), ref_scaler.get_scale()))
+    diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
+    exact = torch.equal(flat_params(model), flat_params(ref_model))
+    return scales, exact, diff, norms
+
+
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "offset23"])
+def test_same_steps_and_scales_as_torch_grad_scaler(pool, world):
+    for scales, exact, _, _ in pool.run(parity_task, False, **world):
+        assert all(a == b for a, b in scales)
+        assert len({a for a, _ in scales}) > 1  # the scale moved (overflow backoff / growth)
+        assert exact
+
+
+def test_clip_grad_norm_between_unscale_and_step(pool):
+    for scales, _, diff, norms in pool.run(parity_task, True, world_size=3):
+        assert all(a == b for a, b in scales)
+        finite = [(a, b) for a, b in zip(norms[::2], norms[1::2]) if torch.isfinite(b)]
+        assert finite and all(torch.allclose(a, b, rtol=1e-6) for a, b in finite)
+        assert all(b > 0.2 for _, b in finite)  # it clipped
+        assert diff < 1e-5
+
+
+# ------------------------------------------------------------------ other optimizers and groups
+def plain_optimizer_task(ctx):
+    """Only rank 0 trains: with a plain optimizer the scaler makes no collective call."""
+    if ctx.rank != 0:
+        return None
+    out = []
+    for cls in (ShardedGradScaler, torch.amp.GradScaler):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = cls("cpu", init_scale=2.0**8)
+        for step in range(3):
+            opt.zero_grad()
+            scaled_backward(model, scaler, batch(step))
+            if step == 1:
+                next(model.parameters()).grad.view(-1)[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+        out.append((scaler.get_scale(), flat_params(model)))
+    return out
+
+
+def test_with_a_plain_optimizer_it_is_torch_grad_scaler(pool):
+    results = pool.run(plain_optimizer_task, world_size=2, timeout=30)
+    (ours, ours_params), (torch_scale, torch_params) = results[0]
+    assert ours == torch_scale == 2.0**7
+    assert torch.equal(ours_params, torch_params)
+    assert isinstance(ShardedGradScaler("cpu"), torch.amp.GradScaler)
+
+
+def explicit_group_task(ctx, kind):
+    """group= makes plain optimizers agree too; ZeroRedundancyOptimizer uses its process group."""
+    model = make_model()
+    if kind == "zero":
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
+        )
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**8, group=ctx.group)
+    skipped = []
+    for step in range(3):
+        opt.zero_grad()
+        scaled_backward(model, scaler, batch(step))
+        if step == 1 and ctx.rank == 0:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = flat_params(model)
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(torch.equal(before, flat_params(model)))
+    return skipped, scaler.get_scale(), flat_params(model)
+
+
+@pytest.mark.parametrize("kind", ["plain_with_group", "zero"])
+def test_explicit_group_and_zero_redundancy_optimizer(pool, kind):
+    results = pool.run(explicit_group_task, kind, ranks=(2, 3), timeout=30)
+    for skipped, scale, params in results:
+        assert skipped == [False, True, False]
+        assert scale == 2.0**7
+        assert torch.equal(params, results[0][2])
+
+
+def no_grads_task(ctx):
+    """A rank without any gradient (e.g. it got no batch) still joins and agrees."""
+    model = make_model()
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    opt.zero_grad()
+    loss = scaled_backward(model, scaler, batch(0)) if ctx.rank == 0 else None
+    if ctx.rank == 0:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    elif loss is None:
+        scaler.scale(torch.ones(()))  # initializes the scale like a forward would
+    before = flat_params(model)
+    scaler.step(opt)
+    scaler.update()
+    return torch.equal(before, flat_params(model)), scaler.get_scale()
+
+
+def test_a_rank_without_gradients_joins_the_reduction(pool):
+    for skipped, scale in pool.run(no_grads_task, world_size=2, timeout=30):
+        assert skipped and scale == 2.0**7
+
+
+def peer_error_task(ctx):
+    """fp16 grads on one rank make GradScaler raise there: every rank must raise."""
+    model = make_model()
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+    if ctx.rank == 1:
+        for p in model.parameters():
+            p.data = p.data.half()
+    scaler = ShardedGradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(batch(0).to(next(model.parameters()).dtype)).float().sum()
+    scaler.scale(loss).backward()
+    return catch(scaler.unscale_, opt)
+
+
+def test_an_unscale_error_on_one_rank_raises_on_every_rank(pool):
+    theirs, mine = pool.run(peer_error_task, world_size=2, timeout=30)
+    assert mine == ("ValueError", "Attempting to unscale FP16 gradients.")
+    assert theirs == ("RuntimeError", PEER_FAILED.format(ranks=[1]))
+
+
+# ------------------------------------------------------------------ the demo's --amp path
+def demo_amp_task(ctx):
+    from oss_plus.demo import amp_rank_main
+
+    return amp_rank_main(ctx.rank, ctx.world_size, 6, 16, 2, group=ctx.group)
+
+
+def test_demo_amp_path_runs_the_recipe(pool):
+    from oss_plus.cli import build_parser
+    from oss_plus.demo import format_amp_report
+
+    results = pool.run(demo_amp_task, world_size=2, timeout=60)
+    for r in results:
+        assert [row[2] for row in r["rows"]] == [row[2] for row in r["ref_rows"]]
+        assert [row[2] for row in r["rows"]] == [row[2] for row in results[0]["rows"]]
+        assert r["scale"] == r["ref_scale"] == results[0]["scale"]
+        assert r["wire"] * 2 == r["wire_fp32"]
+        assert 0 < r["param_diff"] < 1e-2  # bf16 wire rounding, nothing worse
+    report = format_amp_report(results, 6)
+    assert "identical on every rank: yes" in report and "(50%)" in report
+    args = build_parser().parse_args(["demo", "--amp", "--steps", "3"])
+    assert args.amp and args.func.__module__ == "oss_plus.demo"
+
+
+# ------------------------------------------------------------------ the recipe in docs/amp.md
+def docs_recipe_task(ctx, path):
+    with open(path) as f:
+        text = f.read()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {"__name__": "docs_amp_recipe"}
+    exec(compile(code, path, "exec"), namespace)
+    return namespace["train"](steps=4, group=ctx.group)
+
+
+def test_the_recipe_in_docs_amp_md_runs(pool):
+    from pathlib import Path
+
+    path = str(Path(__file__).resolve().parent.parent / "docs" / "amp.md")
+    results = pool.run(docs_recipe_task, path, world_size=2, timeout=60)
+    (loss, norm, scale), (loss1, norm1, scale1) = results
+    assert norm == norm1 and scale == scale1  # the same norm and scale on every rank
+    assert loss > 0 and loss != loss1  # each rank had its own batch

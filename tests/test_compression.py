@@ -1,0 +1,281 @@
+"""Compressed parameter sync (broadcast_fp16 / broadcast_dtype), tested through OSS."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, make_model
+
+from oss_plus import OSS, sync
+from oss_plus.sync import wire_dtype_for
+
+WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: Parameter-sync transports of oss_plus.sync (selected through its environment variable).
+TRANSPORTS = ["broadcast", "all_gather"]
+
+
+@contextlib.contextmanager
+def transport(name):
+    """Build the optimizer's buckets with the ``name`` transport (sync.TRANSPORT_ENV)."""
+    env = getattr(sync, "TRANSPORT_ENV", None)
+    if env is None:  # a sync module with a single (broadcast) transport
+        yield
+        return
+    saved = os.environ.get(env)
+    os.environ[env] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = saved
+
+
+@contextlib.contextmanager
+def count_broadcasts():
+    """Record (dtype, bytes) of every tensor passed to torch.distributed.broadcast."""
+    seen = []
+    original = dist.broadcast
+
+    def counting(tensor, *args, **kwargs):
+        seen.append((tensor.dtype, tensor.numel() * tensor.element_size()))
+        return original(tensor, *args, **kwargs)
+
+    dist.broadcast = counting
+    try:
+        yield seen
+    finally:
+        dist.broadcast = original
+
+
+def set_wire(opt, wire):
+    """Select the wire the way integrations do: plain attributes, after construction."""
+    opt.broadcast_fp16 = wire == "fp16"
+    opt.broadcast_dtype = WIRES[wire] if wire == "bf16" else None
+
+
+def near_one_params():
+    return [torch.nn.Parameter(torch.ones(n)) for n in (64, 48, 32, 24, 16, 12, 8, 4)]
+
+
+# ------------------------------------------------------------------ pure
+def test_only_floating_params_wider_than_the_wire_are_compressed():
+    assert wire_dtype_for(torch.float32, torch.float16) is torch.float16
+    assert wire_dtype_for(torch.float32, torch.bfloat16) is torch.bfloat16
+    assert wire_dtype_for(torch.float64, torch.bfloat16) is torch.bfloat16
+    assert wire_dtype_for(torch.bfloat16, torch.float16) is None  # never upcast / re-round
+    assert wire_dtype_for(torch.float16, torch.bfloat16) is None
+    assert wire_dtype_for(torch.bfloat16, torch.bfloat16) is None
+    assert wire_dtype_for(torch.int64, torch.float16) is None
+    assert wire_dtype_for(torch.complex64, torch.float16) is None
+    assert wire_dtype_for(torch.float32, None) is None
+
+
+# ------------------------------------------------------------------ the owner keeps exact values
+def small_updates_task(ctx, wire, via="broadcast", steps=10):
+    """SGD lr 1e-4 on weights at 1.0 for 10 steps: the owner must move by 1e-3 (fairscale #1)."""
+    params = near_one_params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kwargs = {"broadcast_fp16": True} if wire == "fp16" else {"broadcast_dtype": WIRES[wire]}
+    with transport(via):
+        opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=1e-4, **kwargs)
+    ref_opt = torch.optim.SGD(ref, lr=1e-4)
+    for _ in range(steps):
+        for ps, o in ((params, opt), (ref, ref_opt)):
+            o.zero_grad()
+            sum(p.sum() for p in ps).backward()  # grad = 1 whatever the values
+            o.step()
+    owned = [opt.param_to_rank[p] == ctx.rank for p in params]
+    used = opt.sync_buckets.transports() if hasattr(opt.sync_buckets, "transports") else {}
+    return owned, [p.detach().clone() for p in params], [p.detach().clone() for p in ref], used
+
+
+@pytest.mark.parametrize("world", WORLDS[1:], ids=WORLD_IDS[1:])
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_updates_below_wire_resolution_still_accumulate_on_the_owner(pool, world, wire):
+    check_small_updates(pool.run(small_updates_task, wire, **world), WIRES[wire])
+
+
+@pytest.mark.parametrize("via", TRANSPORTS)
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_every_transport_keeps_the_owner_exact_and_rounds_replicas(pool, wire, via):
+    if via != "broadcast" and not hasattr(sync, "TRANSPORT_ENV"):
+        pytest.skip(f"oss_plus.sync has no {via} transport")
+    results = pool.run(small_updates_task, wire, via, world_size=3)
+    assert all(set(used) == {via} for *_, used in results)
+    check_small_updates(results, WIRES[wire])
+
+
+def check_small_updates(results, dtype):
+    owners = [next(r for r, res in enumerate(results) if res[0][i]) for i in range(8)]
+    for owned, params, ref, _ in results:
+        for i, (p, r, own) in enumerate(zip(params, ref, owned)):
+            if own:
+                assert torch.equal(p, r), "the owner lost its exact fp32 values"
+                assert torch.allclose(1 - p, torch.full_like(p, 1e-3), rtol=1e-3)
+            else:  # replicas hold the owner's value rounded to the wire dtype
+                assert torch.equal(p, results[owners[i]][1][i].to(dtype).float())
+    # What rounding the owner's own copy (fairscale) does: the weights never move.
+    rounded = torch.ones(4)
+    for _ in range(10):
+        rounded = (rounded - 1e-4).to(dtype).float()
+    assert torch.equal(rounded, torch.ones(4))
+
+
+def replicas_task(ctx, wire, steps=3):
+    """Adam on an MLP: after every step each replica equals its owner's value, rounded."""
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    set_wire(opt, wire)
+    snapshots = []
+    for step in range(steps):
+        opt.zero_grad()
+        backward(model, step)
+        opt.step()
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+    owners = [opt.param_to_rank[p] for p in model.parameters()]
+    return owners, snapshots, [p.dtype for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", WORLDS[1:], ids=WORLD_IDS[1:])
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_replicas_hold_the_owners_values_rounded_to_the_wire(pool, world, wire):
+    results = pool.run(replicas_task, wire, **world)
+    owners = results[0][0]
+    for rank, (_, snapshots, dtypes) in enumerate(results):
+        assert all(d == torch.float32 for d in dtypes)
+        for step, params in enumerate(snapshots):
+            for i, p in enumerate(params):
+                exact = results[owners[i]][1][step][i]
+                expected = exact if owners[i] == rank else exact.to(WIRES[wire]).float()
+                assert torch.equal(p, expected), (rank, step, i)
+    rounded = [
+        not torch.equal(r[1][-1][i], results[owners[i]][1][-1][i])
+        for r in results for i in range(len(owners))
+    ]
+    assert any(rounded), "nothing was rounded: the wire was not compressed"
+
+
+# ------------------------------------------------------------------ bytes and buffers
+def bytes_task(ctx):
+    model = make_model(depth=5)
+    with transport("broadcast"):  # the transport whose bytes dist.broadcast sees
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.01)
+    out = {}
+    ptrs = {}
+    for step, wire in enumerate(("fp32", "fp16", "bf16", "fp16", "bf16", "fp32")):
+        if wire == "fp32":
+            opt.broadcast_fp16, opt.broadcast_dtype = False, None
+        else:
+            set_wire(opt, wire)
+        opt.zero_grad()
+        backward(model, step)
+        with count_broadcasts() as seen:
+            opt.step()
+        out.setdefault(wire, []).append((sum(b for _, b in seen), {d for d, _ in seen}))
+        out[f"{wire}-wire_bytes"] = opt.sync_buckets.wire_bytes(opt.wire_dtype)
+        ptrs[step] = [
+            (id(b), dt, t.data_ptr()) for b in opt.sync_buckets.buckets for dt, t in b.wire.items()
+        ]
+    out["ptrs"] = ptrs
+    return out
+
+
+def test_bytes_on_the_wire_are_halved_and_wire_buffers_are_reused(pool):
+    for out in pool.run(bytes_task, world_size=3):
+        (fp32, dtypes32), (fp32_again, _) = out["fp32"]
+        assert dtypes32 == {torch.float32} and fp32 == fp32_again == out["fp32-wire_bytes"]
+        for wire, dtype in WIRES.items():
+            for sent, dtypes in out[wire]:  # broadcast_fp16 / broadcast_dtype read at every step
+                assert dtypes == {dtype}
+                assert sent * 2 == fp32
+                assert sent == out[f"{wire}-wire_bytes"]
+        ptrs = out["ptrs"]
+        assert ptrs[1] and ptrs[1] == [p for p in ptrs[3] if p[1] == torch.float16]
+        assert ptrs[2] == ptrs[3] == ptrs[4] == ptrs[5]  # nothing allocated by later steps
+        assert {p[1] for p in ptrs[5]} == set(WIRES.values())
+
+
+# ------------------------------------------------------------------ low-precision and mixed params
+def bf16_params_task(ctx, wire):
+    model = make_model().to(torch.bfloat16)
+    ref_model = clone_model(model)
+    with transport("broadcast"):
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    set_wire(opt, wire)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    with count_broadcasts() as seen:
+        for step in range(3):
+            for m, o in ((model, opt), (ref_model, ref)):
+                o.zero_grad()
+                x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+                m(x.bfloat16()).float().pow(2).mean().backward()
+                o.step()
+    exact = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    sent = sum(b for _, b in seen) // 3
+    dtypes = [p.dtype for p in model.parameters()]
+    return dtypes, {d for d, _ in seen}, exact, sent, opt.sync_buckets.wire_bytes(None)
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_bf16_params_stay_bf16_and_travel_uncompressed(pool, wire):
+    results = pool.run(bf16_params_task, wire, world_size=2)
+    for dtypes, wire_dtypes, exact, sent, uncompressed in results:
+        assert set(dtypes) == {torch.bfloat16}  # fairscale turns them into fp32
+        assert wire_dtypes == {torch.bfloat16}
+        assert sent == uncompressed
+        assert exact  # nothing rounded: bit-identical to the unsharded bf16 SGD
+
+
+def mixed_task(ctx, wire):
+    torch.manual_seed(0)
+    specs = [(40, torch.float32), (33, torch.bfloat16), (20, torch.float64), (17, torch.float32),
+             (9, torch.bfloat16), (5, torch.float16)]
+    params = [torch.nn.Parameter((torch.rand(n) + 0.5).to(dt)) for n, dt in specs]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    with transport("broadcast"):
+        opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=1e-3)
+    set_wire(opt, wire)
+    ref_opt = torch.optim.SGD(ref, lr=1e-3)
+    with count_broadcasts() as seen:
+        for step in range(3):
+            for ps, o in ((params, opt), (ref, ref_opt)):
+                o.zero_grad()
+                sum((p.double() * (i + step + 1)).sum() for i, p in enumerate(ps)).backward()
+                o.step()
+    owned = [opt.param_to_rank[p] == ctx.rank for p in params]
+    by_dtype = {}
+    for b in opt.sync_buckets.buckets:
+        by_dtype[b.buffer.dtype] = by_dtype.get(b.buffer.dtype, 0) + b.buffer.numel()
+    return {
+        "owned": owned, "params": [p.detach().clone() for p in params],
+        "ref": [p.detach().clone() for p in ref], "sent": sum(b for _, b in seen) // 3,
+        "wire_bytes": opt.sync_buckets.wire_bytes(WIRES[wire]), "numel": by_dtype,
+        "wire_dtypes": {d for d, _ in seen},
+    }
+
+
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "offset23"])
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_mixed_dtype_model_compresses_only_the_wider_params(pool, world, wire):
+    dtype = WIRES[wire]
+    results = pool.run(mixed_task, wire, **world)
+    n = len(results[0]["params"])
+    owners = [next(r for r, res in enumerate(results) if res["owned"][i]) for i in range(n)]
+    for res in results:
+        for i, (p, r) in enumerate(zip(res["params"], res["ref"])):
+            assert p.dtype == r.dtype  # no param changes dtype
+            if res["owned"][i]:
+                assert torch.equal(p, r)
+            elif wire_dtype_for(p.dtype, dtype) is None:
+                assert torch.equal(p, r)  # travelled as itself
+            else:
+                assert torch.equal(p, results[owners[i]]["params"][i].to(dtype).to(p.dtype))
+        numel = res["numel"]
+        expected = sum(numel.values()) * 2  # every bucket: 2 bytes per element on the wire
+        assert res["sent"] == res["wire_bytes"] == expected
+        narrow = {torch.float16, torch.bfloat16} - {dtype}
+        assert res["wire_dtypes"] == {dtype} | (narrow & set(numel))
