@@ -1,7 +1,17 @@
 """oss_plus: sharded optimizer state (ZeRO stage 1) on torch.distributed."""
 
+from oss_plus.amp import ShardedGradScaler
+from oss_plus.checkpoint import load_checkpoint, save_checkpoint
 from oss_plus.optimizer import OSS
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 
-__all__ = ["OSS", "ParamSpec", "Rule", "assign_owners"]
+__all__ = [
+    "OSS",
+    "ParamSpec",
+    "Rule",
+    "ShardedGradScaler",
+    "assign_owners",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 __version__ = "0.1.0"

@@ -99,6 +99,11 @@ def _runs(
         yield run
 
 
+def _to(value: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``value`` on ``device`` (the same tensor when it is there already, or for None)."""
+    return value if device is None else value.to(device)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -151,7 +156,7 @@ def exchange_states(
         for key, value in meta.items():
             if isinstance(value, _TensorMeta):
                 if t.src == t.dst == rank:
-                    received[t.index][key] = local_states[t.index][key]
+                    received[t.index][key] = _to(local_states[t.index][key], out_device)
                 elif t.src != t.dst:
                     slots.append((t, key, value))
     device = comm_device(group)
@@ -193,7 +198,7 @@ def _move_run(
         return
     if rank == head.src:  # a broadcast source keeps its own tensors
         for t, key, _ in run:
-            received[t.index][key] = local_states[t.index][key]
+            received[t.index][key] = _to(local_states[t.index][key], out_device)
         return
     pieces = buffer.split(numels) if len(run) > 1 else [buffer]
     for (t, key, meta), piece in zip(run, pieces):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist, _params
+from oss_plus import _dist, _params, clip
 from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 from oss_plus.state import (
@@ -67,6 +67,11 @@ class OSS(Optimizer):
         broadcast_buffer_size: ignored; kept for fairscale compatibility.
         broadcast_fp16: send parameters as fp16 on the wire. A plain attribute, read at every
             step. The owner keeps exact values; other replicas receive rounded copies.
+            Only floating params wider than the wire dtype travel compressed (bf16/fp16
+            params are never upcast nor change dtype). After a compressed step, the params a
+            rank owns hold their exact values and every other param holds its owner's value
+            rounded to the wire dtype (fp16 turns magnitudes above 65504 into inf; bf16 does
+            not); the forward pass of each rank uses its own copy. See ``docs/amp.md``.
         force_broadcast_object: ignored; kept for fairscale compatibility (state never
             travels as a pickled object here).
         partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1) or
@@ -110,7 +115,8 @@ class OSS(Optimizer):
             _params.check_optim_class(optim)
             if broadcast_dtype is not None and broadcast_dtype not in WIRE_DTYPES:
                 raise ValueError(
-                    f"broadcast_dtype must be torch.float16, torch.bfloat16 or None, got {broadcast_dtype}"
+                    "broadcast_dtype must be torch.float16, torch.bfloat16 or None, "
+                    f"got {broadcast_dtype}"
                 )
             self._rule = Rule(partition_rule)
             super().__init__(_params.normalize_params(params), defaults)
@@ -144,7 +150,9 @@ class OSS(Optimizer):
         description = _params.describe_params(self.param_groups) if error is None else []
         world = dist.get_world_size(self.group)
         device = _dist.comm_device(self.group)
-        mine = torch.tensor([int(error is not None), _params.fingerprint(description)], device=device)
+        mine = torch.tensor(
+            [int(error is not None), _params.fingerprint(description)], device=device
+        )
         gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(gathered, mine, group=self.group)
         if error is not None:
@@ -164,13 +172,17 @@ class OSS(Optimizer):
             )
 
     def _specs(self) -> list[list[ParamSpec]]:
-        return [[ParamSpec(p.numel(), p.requires_grad) for p in g["params"]] for g in self.param_groups]
+        return [
+            [ParamSpec(p.numel(), p.requires_grad) for p in g["params"]] for g in self.param_groups
+        ]
 
     def _plan(self, keep: bool = False) -> list[list[int]]:
         """Assign owners; with ``keep``, params of the groups already placed keep theirs."""
         fixed = {}
         if keep:
-            fixed = {(g, i): r for g, owners in enumerate(self._owners) for i, r in enumerate(owners)}
+            fixed = {
+                (g, i): r for g, owners in enumerate(self._owners) for i, r in enumerate(owners)
+            }
         return assign_owners(self._specs(), self.world_size, self._rule, fixed)
 
     def _flat_params(self) -> list[torch.Tensor]:
@@ -206,7 +218,8 @@ class OSS(Optimizer):
             on_device = group.get("fused") or group.get("capturable")
             inner.state[param] = {
                 k: v.to(param.device if v.dim() > 0 or on_device else "cpu")
-                if isinstance(v, torch.Tensor) else v
+                if isinstance(v, torch.Tensor)
+                else v
                 for k, v in state.items()
             }
         return inner
@@ -223,7 +236,9 @@ class OSS(Optimizer):
 
     def _owned_indices(self) -> list[int]:
         """Flat indices of the params this rank owns, in flat order."""
-        return [i for i, o in enumerate(o for owners in self._owners for o in owners) if o == self.rank]
+        return [
+            i for i, o in enumerate(o for owners in self._owners for o in owners) if o == self.rank
+        ]
 
     def _local_states(self) -> dict[int, ParamState]:
         """This rank's optimizer state keyed by flat index (the inner dicts are new)."""
@@ -263,6 +278,76 @@ class OSS(Optimizer):
     def wire_dtype(self) -> torch.dtype | None:
         """The dtype parameters travel as at the next step (None: their own)."""
         return torch.float16 if self.broadcast_fp16 else self.broadcast_dtype
+
+    # ----------------------------------------------------------------- clipping
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
+        *,
+        group: Any | None = None,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
+
+        Each rank measures and scales the gradients of the params it owns now (computed at
+        every call; a trainability change is repartitioned first, as :meth:`step` would),
+        then one ``all_reduce`` gives every rank the same total. Over the optimizer's group
+        without ``filter_params_fn``, the per-param float32 norms are gathered and the total
+        is computed as ``torch.nn.utils.clip_grad_norm_`` does: bit-identical in fp32, and
+        exact to float32 rounding on bf16/fp16 grads (torch rounds to the grad dtype). With
+        ``group=`` or ``filter_params_fn``, partial sums of ``p``-th powers are reduced in
+        float64 instead. Ranks must agree on which params have a gradient (as under DDP).
+        See :mod:`oss_plus.clip`.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: ``p`` (> 0) or ``float('inf')``.
+            filter_params_fn: receives the list of params this rank owns and returns those
+                to count in the norm (fairscale's hook for model parallelism: count a
+                replicated param on one rank only). Every owned gradient is still scaled.
+            group: reduce over this group instead of the optimizer's (model parallelism:
+                a group spanning data- and model-parallel ranks, with ``filter_params_fn``).
+            error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
+
+        Returns:
+            The total norm before clipping (float32; float64 for float64 models).
+
+        Raises:
+            ValueError: bad ``norm_type`` or ``max_norm``.
+            RuntimeError: ``error_if_nonfinite`` and the total is not finite.
+
+        Example:
+            >>> scaler.unscale_(opt); opt.clip_grad_norm(1.0); scaler.step(opt)  # doctest: +SKIP
+
+        .. warning:: Collective: call on every rank of ``group``.
+        """
+        if self._trainable != self._trainable_mask():
+            self.refresh_trainable()
+        flat = self._flat_params()
+        owned_mask = [o == self.rank for owners in self._owners for o in owners]
+        if filter_params_fn is None and (group is None or group is self.group):
+            return clip.clip_sharded_(
+                flat,
+                owned_mask,
+                max_norm,
+                norm_type,
+                group=self.group,
+                error_if_nonfinite=error_if_nonfinite,
+            )
+        owned = [p for p, own in zip(flat, owned_mask) if own]
+        counted = owned if filter_params_fn is None else list(filter_params_fn(list(owned)))
+        wide = any(p.dtype == torch.float64 for p in flat)
+        return clip.clip_grad_norm_(
+            owned,
+            max_norm,
+            norm_type,
+            group=self.group if group is None else group,
+            counted=counted,
+            error_if_nonfinite=error_if_nonfinite,
+            dtype=torch.float64 if wide else torch.float32,
+        )
 
     # ----------------------------------------------------------------- stepping
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
@@ -324,14 +409,19 @@ class OSS(Optimizer):
         """Repartition over the params trainable now and move state to the new owners.
 
         Every param whose owner changes has its optimizer state sent to the new owner, so
-        no momentum or moment estimate is lost. Buckets are rebuilt. Also runs automatically
-        at :meth:`step` when ``requires_grad`` changed.
+        no momentum or moment estimate is lost. Buckets are rebuilt. When no owner changes,
+        the inner optimizer (``self.optim``) is kept as it is and nothing is exchanged.
+        Also runs automatically at :meth:`step` when ``requires_grad`` changed.
 
         .. warning:: Collective: call on every rank of ``group``.
         """
         _copy_hyper(self.param_groups, self.optim.param_groups)
+        planned = self._plan()
+        if planned == self._owners:  # same owners: keep the inner optimizer as it is
+            self._rebuild_sync()
+            return
         old = [o for owners in self._owners for o in owners]
-        self._owners = self._plan()
+        self._owners = planned
         new = [o for owners in self._owners for o in owners]
         moves = [Transfer(i, a, b) for i, (a, b) in enumerate(zip(old, new)) if a != b]
         local = self._local_states()
@@ -424,7 +514,9 @@ class OSS(Optimizer):
         local_sd: dict[str, Any] = {"state": {}, "param_groups": []}
         position = 0
         for g, indices in enumerate(self._local_indices()):
-            packed = {k: copy.deepcopy(v) for k, v in self.param_groups[g].items() if k not in _NOT_HYPER}
+            packed = {
+                k: copy.deepcopy(v) for k, v in self.param_groups[g].items() if k not in _NOT_HYPER
+            }
             packed["params"] = list(range(position, position + len(indices)))
             for offset, index in enumerate(indices):
                 if index in saved:
