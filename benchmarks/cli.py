@@ -1,0 +1,134 @@
+"""``python -m oss_plus bench``: the side-by-side step benchmark from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import report
+from benchmarks.impls import IMPLS
+from benchmarks.step_bench import BenchConfig, run
+
+#: ``--quick``: one round, few steps, no sweeps; the main rows only.
+QUICK = {
+    "rounds": 1,
+    "steps": 4,
+    "warmup": 1,
+    "memory_steps": 2,
+    "sweep_sizes": (),
+    "sweep_worlds": (),
+}
+QUICK_IMPLS = ("oss_plus", "oss_plus_bf16", "fairscale", "torch_zero_bv", "unsharded", "floor")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Build the :class:`BenchConfig` the flags describe (``--quick`` first, flags override).
+
+    Raises:
+        ValueError: an invalid value (see :class:`BenchConfig`).
+    """
+    values: dict[str, object] = dict(QUICK, impls=QUICK_IMPLS) if args.quick else {}
+    flags = {
+        "size": args.size,
+        "width": args.width,
+        "world_size": args.world_size,
+        "optimizer": args.optimizer,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "backend": args.backend,
+        "threads": args.threads,
+        "impls": _names(args.impls) if args.impls else None,
+        "sweep_sizes": _floats(args.sweep_sizes) if args.sweep_sizes is not None else None,
+        "sweep_worlds": _ints(args.sweep_worlds) if args.sweep_worlds is not None else None,
+        "profile": _names(args.profile) if args.profile else None,
+        "memory_impls": _names(args.memory_impls) if args.memory_impls else None,
+        "sweep_impls": _names(args.sweep_impls) if args.sweep_impls else None,
+    }
+    values.update({k: v for k, v in flags.items() if v is not None})
+    if args.no_memory:
+        values["memory"] = False
+    if args.blocks:
+        values["interleave"] = False
+    return BenchConfig(**values)  # type: ignore[arg-type]
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.ddp:
+        from benchmarks import ddp_bench
+
+        return ddp_bench.main_from_args(args)
+    cfg = config_from_args(args)
+    result = run(cfg, log=lambda line: print(f"[bench] {line}", flush=True))
+    print()
+    print(report.table(result))
+    print()
+    for line in report.summary_lines(result):
+        print(line)
+    for key, text in result.profiles.items():
+        print(f"\ntorch.profiler, rank 0, 5 steps of {key}:\n{text}")
+    out = Path(args.out)
+    report.to_json(result, out / "bench.json")
+    print(f"results: {out / 'bench.json'}")
+    if not args.no_plot:
+        print(report.plot(result, out / "bench.png"))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` subcommand to the ``oss-plus`` parser."""
+    defaults = BenchConfig()
+    bench = sub.add_parser(
+        "bench",
+        help="time oss_plus against fairscale OSS, torch ZeRO and references",
+        description="Spawn local ranks and run oss_plus.OSS (fp32/bf16/fp16 wire), fairscale OSS, "
+        "torch ZeRO (with and without parameters_as_bucket_view), the unsharded "
+        "optimizer and the shard floor side by side: step time, wire bytes, "
+        "optimizer state per rank, RSS, clip_grad_norm time. Peers that are not "
+        "installed are skipped.",
+    )
+    add = bench.add_argument
+    add("--quick", action="store_true", help="one short round of the main rows, no sweeps")
+    add("--size", type=float, help=f"model size in M params (default {defaults.size:g})")
+    add("--width", type=int, help=f"Linear width (default {defaults.width})")
+    add("--world-size", type=int, help=f"ranks (default {defaults.world_size})")
+    add("--optimizer", help=f"adam, adamw or sgd (default {defaults.optimizer})")
+    add("--steps", type=int, help=f"timed steps per round (default {defaults.steps})")
+    add("--warmup", type=int, help=f"untimed steps per round (default {defaults.warmup})")
+    add("--rounds", type=int, help=f"rounds, order rotated each round (default {defaults.rounds})")
+    add("--impls", help="comma-separated rows (default all): " + ",".join(IMPLS))
+    add(
+        "--sweep-sizes",
+        help="model sizes (M) to sweep, '' for none (default "
+        + ",".join(f"{s:g}" for s in defaults.sweep_sizes)
+        + ")",
+    )
+    add("--sweep-worlds", help="world sizes to sweep, e.g. 1,2,4 (default none)")
+    add("--sweep-impls", help="rows of the sweeps (default oss_plus,fairscale,torch_zero_bv,floor)")
+    add("--backend", help="auto (NCCL with a GPU per rank, else gloo), gloo or nccl")
+    add("--threads", type=int, help="intra-op threads per rank (default cores // ranks)")
+    add("--profile", help="rows to profile with torch.profiler, e.g. oss_plus,fairscale")
+    add("--memory-impls", help="rows whose RSS is measured (default: the main rows)")
+    add("--blocks", action="store_true", help="time one row at a time (default: step by step)")
+    add("--no-memory", action="store_true", help="skip the per-implementation RSS runs")
+    add("--no-plot", action="store_true", help="do not draw bench.png")
+    add("--out", default="bench-results", help="directory for bench.json and bench.png")
+    add(
+        "--ddp",
+        action="store_true",
+        help="time full DDP training iterations instead (forward, backward, step), with the "
+        "step overlapped with backward against the other optimizers: benchmarks/ddp_bench.py",
+    )
+    bench.set_defaults(func=_run)

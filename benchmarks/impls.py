@@ -1,0 +1,201 @@
+"""The implementations the step benchmark compares, behind one small interface.
+
+Every implementation is built on one rank from that rank's copy of the model's params (grads
+already set) and returns a :class:`Runner`: a ``step`` to time, the optimizer-state bytes it
+holds, the bytes one step puts on the wire, and a gradient-clipping call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oss_plus import OSS
+from oss_plus.partition import ParamSpec, Rule, assign_owners
+from oss_plus.sync import TRANSPORT_ENV
+
+#: Optimizers selectable with ``--optimizer``: class and keyword arguments.
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
+    "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+}
+
+
+@dataclass
+class Runner:
+    """One implementation built on one rank.
+
+    Attributes:
+        step: one optimizer step (grads are pre-set; only the optimizer runs).
+        state_bytes: bytes of optimizer state this rank holds.
+        wire_bytes: bytes one step moves between ranks (0 when nothing is sent).
+        clip: clips the grads to a norm (the implementation's own method, or torch's), or None.
+        note: what the row means beyond its name (e.g. the transport in use).
+    """
+
+    step: Callable[[], Any]
+    state_bytes: Callable[[], int]
+    wire_bytes: int
+    clip: Callable[[float], Any] | None
+    note: str = ""
+    keep: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A row of the benchmark: a name, a builder and the package it needs."""
+
+    key: str
+    label: str
+    build: Callable[[list[torch.nn.Parameter], str], Runner]
+    needs: str | None = None
+
+    def missing(self) -> str | None:
+        """Return why this row cannot run here, or None when it can."""
+        if self.needs and importlib.util.find_spec(self.needs) is None:
+            return f"{self.needs} is not installed (pip install oss_plus[{self.needs}])"
+        return None
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Return the bytes of the tensors in an optimizer's state."""
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _torch_clip(params: list[torch.nn.Parameter]) -> Callable[[float], Any]:
+    return lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+@contextlib.contextmanager
+def _transport(value: str | None) -> Iterator[None]:
+    old = os.environ.get(TRANSPORT_ENV)
+    if value is not None:
+        os.environ[TRANSPORT_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TRANSPORT_ENV, None)
+        else:
+            os.environ[TRANSPORT_ENV] = old
+
+
+def _oss(wire: torch.dtype | None = None, transport: str | None = None) -> Callable[..., Runner]:
+    def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
+        cls, kwargs = OPTIMIZERS[optimizer]
+        with _transport(transport):
+            opt = OSS(params, optim=cls, broadcast_dtype=wire, **kwargs)
+        clip = getattr(opt, "clip_grad_norm", None)
+        via = ",".join(sorted(opt.sync_buckets.transports())) or "none"
+        return Runner(
+            opt.step,
+            lambda: state_bytes(opt.optim),
+            opt.sync_buckets.wire_bytes(wire),
+            clip,
+            note=f"sync: {via}",
+            keep=[opt],
+        )
+
+    return build
+
+
+def _fairscale(fp16: bool) -> Callable[..., Runner]:
+    def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
+        from fairscale.optim import OSS as FairscaleOSS
+
+        cls, kwargs = OPTIMIZERS[optimizer]
+        opt = FairscaleOSS(params, optim=cls, broadcast_fp16=fp16, **kwargs)
+        wire = sum(
+            b.buffer.numel() * (2 if fp16 else b.buffer.element_size())
+            for per_rank in opt.buckets.values()
+            for b in per_rank.values()
+        )
+        return Runner(
+            opt.step, lambda: state_bytes(opt.optim), wire, opt.clip_grad_norm, keep=[opt]
+        )
+
+    return build
+
+
+def _torch_zero(bucket_view: bool) -> Callable[..., Runner]:
+    def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls, kwargs = OPTIMIZERS[optimizer]
+        opt = ZeroRedundancyOptimizer(
+            params, optimizer_class=cls, parameters_as_bucket_view=bucket_view, **kwargs
+        )
+        if bucket_view:
+            wire = sum(b.numel() * b.element_size() for dev in opt._buckets for b in dev)
+        else:
+            wire = sum(p.numel() * p.element_size() for p in opt._all_params)  # type: ignore[attr-defined]
+        return Runner(
+            opt.step,
+            lambda: state_bytes(opt.optim),
+            wire,
+            _torch_clip(params),
+            note="clip: torch.nn.utils (no sharded clip)",
+            keep=[opt],
+        )
+
+    return build
+
+
+def _unsharded(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(params, **kwargs)
+    return Runner(opt.step, lambda: state_bytes(opt), 0, _torch_clip(params), keep=[opt])
+
+
+def own_partition(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Return the params this rank owns under oss_plus's (fairscale's) partition rule."""
+    specs = [[ParamSpec(p.numel(), p.requires_grad) for p in params]]
+    owners = assign_owners(specs, dist.get_world_size(), Rule.FAIRSCALE)[0]
+    return [p for p, owner in zip(params, owners) if owner == dist.get_rank()]
+
+
+def _floor(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
+    cls, kwargs = OPTIMIZERS[optimizer]
+    own = own_partition(params)
+    opt = cls(own, **kwargs)
+    return Runner(
+        opt.step,
+        lambda: state_bytes(opt),
+        0,
+        _torch_clip(own),
+        note="own partition only, no communication; clip: local norm only",
+        keep=[opt],
+    )
+
+
+#: Every row, in table order.
+IMPLS: dict[str, Impl] = {
+    impl.key: impl
+    for impl in (
+        Impl("oss_plus", "oss_plus OSS fp32", _oss()),
+        Impl("oss_plus_bf16", "oss_plus OSS bf16 wire", _oss(torch.bfloat16)),
+        Impl("oss_plus_fp16", "oss_plus OSS fp16 wire", _oss(torch.float16)),
+        Impl("oss_plus_all_gather", "oss_plus fp32 all_gather", _oss(transport="all_gather")),
+        Impl("fairscale", "fairscale OSS", _fairscale(False), needs="fairscale"),
+        Impl("fairscale_fp16", "fairscale OSS fp16", _fairscale(True), needs="fairscale"),
+        Impl("torch_zero", "torch ZeRO", _torch_zero(False)),
+        Impl("torch_zero_bv", "torch ZeRO bucket view", _torch_zero(True)),
+        Impl("unsharded", "unsharded optimizer", _unsharded),
+        Impl("floor", "shard floor", _floor),
+    )
+}
+#: The peers a target is measured against ("the faster of fairscale OSS and torch ZeRO").
+PEERS = ("fairscale", "torch_zero", "torch_zero_bv")

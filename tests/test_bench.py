@@ -1,0 +1,118 @@
+"""Smoke test of ``python -m oss_plus bench`` in a tiny configuration (no timing asserts)."""
+
+import json
+
+import pytest
+
+from benchmarks import cli, impls, report
+from benchmarks.impls import IMPLS, Impl
+from benchmarks.step_bench import BenchConfig, run
+from oss_plus.cli import build_parser, main
+
+TINY = [
+    "bench",
+    "--size",
+    "0.05",
+    "--width",
+    "64",
+    "--world-size",
+    "2",
+    "--rounds",
+    "1",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--sweep-sizes",
+    "",
+]
+ROWS = "oss_plus,oss_plus_bf16,torch_zero_bv,unsharded,floor"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny bench through the real command line (spawns its own gloo ranks)."""
+    out = tmp_path_factory.mktemp("bench")
+    code = main([*TINY, "--impls", ROWS, "--memory-impls", "oss_plus,floor", "--out", str(out)])
+    return code, json.loads((out / "bench.json").read_text()), out
+
+
+def test_bench_writes_every_row_with_consistent_bytes(tiny_run):
+    code, data, _ = tiny_run
+    assert code == 0
+    rows = data["rows"]
+    assert list(rows) == ROWS.split(",")
+    for key, row in rows.items():
+        assert row["step_s"] > 0 and len(row["times_s"]) == 2, key
+        assert len(row["state_bytes"]) == 2
+        assert ("rss" in row) == (key in ("oss_plus", "floor"))
+        for rank in row.get("rss", []):
+            assert rank["peak"] >= rank["steady"] > rank["base"] > 0
+    # the shards add up to the unsharded state, the bf16 wire is half the fp32 one
+    assert sum(rows["oss_plus"]["state_bytes"]) == rows["unsharded"]["state_bytes"][0]
+    assert rows["oss_plus"]["state_bytes"] == rows["floor"]["state_bytes"]
+    assert rows["oss_plus_bf16"]["wire_bytes"] * 2 == rows["oss_plus"]["wire_bytes"] > 0
+    assert rows["floor"]["wire_bytes"] == rows["unsharded"]["wire_bytes"] == 0
+    assert data["ratios"]["floor"]["vs_floor"] == 1.0
+    assert data["machine"]["threads_per_rank"] >= 1
+
+
+def test_bench_prints_a_table_and_draws_a_plot(tiny_run, capsys):
+    _, data, out = tiny_run
+    pytest.importorskip("matplotlib")
+    assert (out / "bench.png").stat().st_size > 0
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_missing_peers_are_skipped_with_a_note(monkeypatch):
+    ghost = Impl(
+        "fairscale", "fairscale OSS", IMPLS["fairscale"].build, needs="not_a_real_package_x"
+    )
+    monkeypatch.setitem(impls.IMPLS, "fairscale", ghost)
+    cfg = BenchConfig(
+        size=0.02,
+        width=32,
+        rounds=1,
+        steps=1,
+        warmup=0,
+        memory=False,
+        impls=("fairscale", "floor"),
+        sweep_sizes=(),
+    )
+    lines = []
+    result = run(cfg, log=lines.append)
+    assert list(result.rows) == ["floor"]
+    assert "not_a_real_package_x is not installed" in result.skipped["fairscale"]
+    assert any("skipping ['fairscale']" in line for line in lines)
+    text = report.table(result)
+    assert "skipped fairscale OSS: not_a_real_package_x is not installed" in text
+
+
+def test_quick_and_flags_build_the_config():
+    args = build_parser().parse_args(["bench", "--quick", "--size", "3", "--sweep-worlds", "1,4"])
+    cfg = cli.config_from_args(args)
+    assert (cfg.rounds, cfg.steps, cfg.size, cfg.sweep_sizes, cfg.sweep_worlds) == (
+        1,
+        4,
+        3.0,
+        (),
+        (1, 4),
+    )
+    assert cfg.impls == cli.QUICK_IMPLS
+    default = cli.config_from_args(build_parser().parse_args(["bench"]))
+    assert default == BenchConfig() and default.layers() == 19  # 20M params of Linear(1024, 1024)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--optimizer", "lamb"], "--optimizer must be one of"),
+        (["--impls", "oss_plus,deepspeed"], "unknown implementation(s) ['deepspeed']"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--backend", "mpi"], "--backend must be auto, gloo or nccl"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(flags, message, capsys):
+    assert main(["bench", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oss-plus bench: error:") and message in err and "\n" not in err
