@@ -1,0 +1,301 @@
+"""Checkpoint save/load, side by side: oss_plus against fairscale OSS and torch ZeRO.
+
+Run from the repo root: ``python -m benchmarks.checkpoint_bench`` (``--help`` for options).
+
+Every implementation runs in its own freshly spawned group of gloo ranks (so memory freed by
+one never flatters another), on the same model (default: 20M params, Adam, 2 ranks):
+
+* ``fairscale``: ``consolidate_state_dict(recipient_rank=0)`` then ``torch.save`` on rank 0;
+  loading is ``torch.load`` + ``load_state_dict`` on every rank;
+* ``torch ZeRO``: ``consolidate_state_dict(to=0)`` then ``torch.save`` on rank 0; same load;
+* ``oss_plus sharded`` / ``oss_plus consolidated``: ``save_checkpoint(sharded=...)`` and
+  ``load_checkpoint``. These fsync every file before committing; ``torch.save`` does not.
+
+Times are wall-clock from a barrier before to a barrier after the call (the slowest rank
+counts); "save CPU" is the CPU time (user + system, every thread) all ranks spent in that
+window, a cost that other jobs on a shared machine do not inflate. Both are the median over
+``--rounds`` rounds of ``--reps`` runs; the rounds visit the implementations in rotating
+order, so a noisy moment on a shared machine does not land on one implementation only. Each
+process first makes one untimed warm-up save (one-time costs). Peak RSS is sampled by a
+thread every 10 ms; the ratio is the largest peak seen during any save, warm-up included,
+over the RSS just before the first save (steady state: model, grads, optimizer state), the
+largest over the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from oss_plus import OSS, load_checkpoint, save_checkpoint
+from oss_plus._launch import run_local
+
+IMPLEMENTATIONS = ("fairscale", "torch ZeRO", "oss_plus sharded", "oss_plus consolidated")
+#: The implementation the targets are measured against.
+BASELINE = "fairscale"
+
+
+class PeakRSS:
+    """Samples this process's RSS from a thread; ``peak`` is the largest value seen (bytes)."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = self._process.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+
+def _model(params_m: float) -> torch.nn.Module:
+    """Ten square linear layers holding about ``params_m`` million params."""
+    width = int((params_m * 1e6 / 10) ** 0.5)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(10)])
+
+
+def _optimizer(impl: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if impl == "fairscale":
+        from fairscale.optim import OSS as FairscaleOSS
+
+        return FairscaleOSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    if impl == "torch ZeRO":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3
+        )
+    return OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+
+
+def _save(impl: str, opt: Any, path: str, rank: int) -> None:
+    if impl.startswith("oss_plus"):
+        save_checkpoint(opt, path, sharded=impl.endswith("sharded"))
+        return
+    if impl == "fairscale":
+        opt.consolidate_state_dict(recipient_rank=0)
+    else:
+        opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        torch.save(opt.state_dict(), os.path.join(path, "optim.pt"))
+
+
+def _load(impl: str, opt: Any, path: str) -> None:
+    if impl.startswith("oss_plus"):
+        load_checkpoint(opt, path)
+    else:
+        opt.load_state_dict(torch.load(os.path.join(path, "optim.pt"), weights_only=True))
+
+
+def _timed(fn: Callable[[], None]) -> tuple[float, int, float]:
+    """Run ``fn`` between two barriers; return (seconds, peak RSS bytes, CPU seconds)."""
+    process = psutil.Process()
+    with PeakRSS() as rss:
+        dist.barrier()
+        cpu = process.cpu_times()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        after = process.cpu_times()
+    return elapsed, rss.peak, (after.user - cpu.user) + (after.system - cpu.system)
+
+
+def _rank_main(
+    rank: int, world: int, impl: str, params_m: float, reps: int, root: str
+) -> dict[str, Any]:
+    model = _model(params_m)
+    opt = _optimizer(impl, model)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    steady = psutil.Process().memory_info().rss
+    path = os.path.join(root, impl.replace(" ", "_"))
+    saves = []
+    for _ in range(reps + 1):  # the first is a warm-up: its time is not counted, its RSS is
+        saves.append(_timed(functools.partial(_save, impl, opt, path, rank)))
+    warmup, saves = saves[0], saves[1:]
+    dist.barrier()  # every rank has removed its share of the replaced files
+    size = sum(f.stat().st_size for f in Path(path).iterdir()) if rank == 0 else 0
+    del opt
+    gc.collect()
+    loads = []
+    for _ in range(reps):
+        fresh = _optimizer(impl, model)
+        before = psutil.Process().memory_info().rss
+        seconds, peak, _ = _timed(functools.partial(_load, impl, fresh, path))
+        loads.append((seconds, peak - before))
+        del fresh
+        gc.collect()
+    return {
+        "save_s": [s for s, _, _ in saves],
+        "save_cpu": [c for _, _, c in saves],
+        "load_s": [s for s, _ in loads],
+        "steady": steady,
+        "save_peak": max(p for _, p, _ in [warmup, *saves]),
+        "load_extra": max(e for _, e in loads),
+        "bytes": size,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _available(impl: str) -> str | None:
+    """Return why ``impl`` cannot run here, or None."""
+    if impl == "fairscale" and importlib.util.find_spec("fairscale") is None:
+        return "fairscale is not installed (pip install fairscale==0.4.13)"
+    return None
+
+
+def _summarize(ranks_per_run: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median over every run of every round; memory: the worst rank of the worst run."""
+    saves = [
+        max(r["save_s"][i] for r in ranks)
+        for ranks in ranks_per_run
+        for i in range(len(ranks[0]["save_s"]))
+    ]
+    loads = [
+        max(r["load_s"][i] for r in ranks)
+        for ranks in ranks_per_run
+        for i in range(len(ranks[0]["load_s"]))
+    ]
+    cpu = [
+        sum(r["save_cpu"][i] for r in ranks)
+        for ranks in ranks_per_run
+        for i in range(len(ranks[0]["save_cpu"]))
+    ]
+    every = [r for ranks in ranks_per_run for r in ranks]
+    return {
+        "save_s": statistics.median(saves),
+        "save_runs": saves,
+        "save_cpu_s": statistics.median(cpu),
+        "load_s": statistics.median(loads),
+        "load_runs": loads,
+        "save_rss_ratio": max(r["save_peak"] / r["steady"] for r in every),
+        "steady_mb": max(r["steady"] for r in every) / 1e6,
+        "load_extra_mb": max(r["load_extra"] for r in every) / 1e6,
+        "size_mb": ranks_per_run[0][0]["bytes"] / 1e6,
+        "params": every[0]["params"],
+    }
+
+
+def run(
+    params_m: float, world: int, reps: int, rounds: int, impls: tuple[str, ...]
+) -> dict[str, Any]:
+    """Measure every implementation in ``rounds`` rounds (rotating the order, so a noisy
+    moment on a shared machine does not hit one implementation only); return the summary."""
+    skipped = {impl: reason for impl in impls if (reason := _available(impl))}
+    for impl, reason in skipped.items():
+        print(f"skipping {impl}: {reason}", file=sys.stderr)
+    todo = [impl for impl in impls if impl not in skipped]
+    runs: dict[str, list[list[dict[str, Any]]]] = {impl: [] for impl in todo}
+    root = tempfile.mkdtemp(prefix="oss_plus_ckpt_bench_")
+    try:
+        for round_ in range(rounds):
+            for impl in todo[round_ % len(todo) :] + todo[: round_ % len(todo)]:
+                print(f"round {round_ + 1}/{rounds}: {impl} ...", file=sys.stderr, flush=True)
+                runs[impl].append(run_local(_rank_main, world, impl, params_m, reps, root))
+                shutil.rmtree(os.path.join(root, impl.replace(" ", "_")), ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary = {
+        impl: _summarize(runs[impl]) if impl in runs else {"skipped": skipped[impl]}
+        for impl in impls
+    }
+    return summary
+
+
+def _ratio(base: dict[str, Any], m: dict[str, Any], key: str) -> str:
+    return f"{base[key] / m[key]:.1f}x" if key in base and m.get(key) else "n/a"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Return the summary as a Markdown table with the ratios to the baseline (fairscale).
+
+    ``best`` is the fastest run: on a shared machine, the closest to the uncontended cost.
+    """
+    for m in summary.values():
+        if "save_runs" in m:
+            m.setdefault("save_best", min(m["save_runs"]))
+    base = summary.get(BASELINE, {})
+    lines = [
+        "| implementation | save, median (s) | vs fairscale | save, best (s) | vs fairscale "
+        "| save CPU, all ranks (s) | vs fairscale | load (s) | peak RSS during save / steady "
+        "| extra RSS during load | on disk |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for impl, m in summary.items():
+        if "skipped" in m:
+            lines.append(f"| {impl} | skipped: {m['skipped']} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {impl} | {m['save_s']:.3f} | {_ratio(base, m, 'save_s')} | "
+            f"{m['save_best']:.3f} | {_ratio(base, m, 'save_best')} | "
+            f"{m['save_cpu_s']:.3f} | {_ratio(base, m, 'save_cpu_s')} | {m['load_s']:.3f} | "
+            f"{m['save_rss_ratio']:.2f}x (steady {m['steady_mb']:.0f} MB) | "
+            f"{m['load_extra_mb']:.0f} MB | {m['size_mb']:.0f} MB |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks.checkpoint_bench``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=20.0, help="model size, millions")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3, help="saves and loads per round")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds over all implementations, in rotating order"
+    )
+    parser.add_argument("--only", nargs="*", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--json", help="also write the summary to this JSON file")
+    args = parser.parse_args(argv)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    summary = run(args.params, args.world_size, args.reps, args.rounds, tuple(args.only))
+    params = next((m["params"] for m in summary.values() if "params" in m), 0)
+    print(
+        f"\n{params / 1e6:.1f}M params, Adam, {args.world_size} gloo ranks, "
+        f"{os.cpu_count()} cores, median of {args.rounds} rounds x {args.reps} runs; "
+        f"load average before the run: {load}\n"
+    )
+    print(table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

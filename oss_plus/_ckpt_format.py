@@ -1,0 +1,361 @@
+"""The on-disk format of oss_plus checkpoints: pure functions, no I/O, no collectives.
+
+A checkpoint is a directory holding ``index.json`` and one or more safetensors files. The
+index is the single source of truth: it lists the files, the param groups, the parameters
+and, per parameter, every state key as a reference to a tensor in a file or as a JSON value.
+Python values are encoded with type tags so that tuples, ints, floats (inf and nan included),
+bools and None come back exactly. ``docs/checkpoints.md`` is the specification.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from oss_plus._ckpt_values import decode_value, encode_value, torch_dtype
+
+__all__ = [
+    "CONSOLIDATED",
+    "DATA_FILE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_FILE",
+    "SAVE_ID_KEY",
+    "SHARDED",
+    "Index",
+    "PlainValue",
+    "TensorRef",
+    "consolidated_file",
+    "decode_groups",
+    "decode_state",
+    "encode_groups",
+    "encode_state",
+    "safetensors_header",
+    "shard_file",
+    "tensor_name",
+]
+
+#: Value of the ``format`` key of every index.
+FORMAT_NAME = "oss_plus.optimizer_checkpoint"
+#: The only version this module reads and writes.
+FORMAT_VERSION = 1
+#: Name of the index inside a checkpoint directory (the commit point of a save).
+INDEX_FILE = "index.json"
+#: Key of the save id in the ``__metadata__`` of every data file.
+SAVE_ID_KEY = "oss_plus.save_id"
+#: Layout names.
+SHARDED, CONSOLIDATED = "sharded", "consolidated"
+#: Data files of a checkpoint: a per-rank shard or the consolidated file, with the save id.
+DATA_FILE = re.compile(r"^(shard-\d{5,}-of-\d{5,}|state)\.[0-9a-f]{16}\.safetensors$")
+
+#: Message for an index whose version this module cannot read.
+BAD_VERSION = (
+    "{where}: checkpoint format version {found!r}, but this oss_plus reads version "
+    f"{FORMAT_VERSION} only: {{fix}}"
+)
+
+
+def shard_file(rank: int, world_size: int, save_id: str) -> str:
+    """Return the name of the shard written by ``rank`` of ``world_size`` in save ``save_id``."""
+    return f"shard-{rank:05d}-of-{world_size:05d}.{save_id}.safetensors"
+
+
+def consolidated_file(save_id: str) -> str:
+    """Return the name of the single data file of a consolidated save."""
+    return f"state.{save_id}.safetensors"
+
+
+def tensor_name(index: int, key: str) -> str:
+    """Return the name of state tensor ``key`` of flat index ``index`` inside a file.
+
+    Example:
+        >>> tensor_name(3, "exp_avg")
+        'state.3.exp_avg'
+    """
+    return f"state.{index}.{key}"
+
+
+def safetensors_header(
+    tensors: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str]
+) -> bytes:
+    """Return the start of a safetensors file holding ``tensors`` in the given order.
+
+    The result is the 8-byte little-endian header length followed by the JSON header
+    (``dtype``, ``shape``, ``data_offsets`` per tensor, and ``__metadata__``), padded with
+    spaces to a multiple of 8 bytes; the raw tensor bytes follow it back to back.
+
+    Args:
+        tensors: ``(name, dtype string, shape, nbytes)`` in file order.
+        metadata: string-to-string metadata stored under ``__metadata__``.
+
+    Example:
+        >>> safetensors_header([("a", "F32", [2], 8)], {})[8:].rstrip()
+        b'{"__metadata__":{},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+# ----------------------------------------------------------------------------- the index
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a state tensor lives: file, name inside it, dtype string, shape, CRC-32."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "crc32": self.crc32,
+        }
+
+
+@dataclass(frozen=True)
+class PlainValue:
+    """A non-tensor state value (int, float, bool, None, str, or containers of them)."""
+
+    value: Any
+
+
+def encode_groups(param_groups: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, Any]]:
+    """Encode packed param groups (``params`` are flat indices) for the index.
+
+    Raises:
+        TypeError: a key is not a string or a hyperparameter cannot be stored.
+    """
+    encoded = []
+    for g, group in enumerate(param_groups):
+        bad = [k for k in group if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where}: param group {g} has a non-string key {bad[0]!r}")
+        entry = {
+            k: encode_value(v, f"param group {g} key {k!r}")
+            for k, v in group.items()
+            if k != "params"
+        }
+        entry["params"] = [int(i) for i in group["params"]]
+        encoded.append(entry)
+    return encoded
+
+
+def decode_groups(groups: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, Any]]:
+    """Decode what :func:`encode_groups` produced (``params`` stay lists of ints)."""
+    return [
+        {
+            k: [int(i) for i in v]
+            if k == "params"
+            else decode_value(v, f"{where}: group {g} key {k!r}")
+            for k, v in group.items()
+        }
+        for g, group in enumerate(groups)
+    ]
+
+
+@dataclass(frozen=True)
+class Index:
+    """A parsed ``index.json`` (decoded Python values; JSON only at the boundary).
+
+    ``state[i][key]`` is a :class:`TensorRef` or a :class:`PlainValue`. ``params`` (shape,
+    dtype string, trainable per flat index) and the saving optimizer, world size and
+    partition are ``None`` for checkpoints converted from a plain state dict.
+    """
+
+    layout: str
+    save_id: str
+    param_groups: list[dict[str, Any]]
+    files: dict[str, dict[str, int]]
+    state: dict[int, dict[str, TensorRef | PlainValue]]
+    params: list[dict[str, Any]] | None = None
+    optimizer: str | None = None
+    world_size: int | None = None
+    partition: list[list[int]] | None = None
+    partition_rule: str | None = None
+    created_by: str = ""
+
+    @property
+    def num_params(self) -> int:
+        return sum(len(g["params"]) for g in self.param_groups)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object written to ``index.json``.
+
+        Raises:
+            TypeError: a hyperparameter or state value cannot be stored.
+        """
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "layout": self.layout,
+            "save_id": self.save_id,
+            "created_by": self.created_by,
+            "optimizer": self.optimizer,
+            "world_size": self.world_size,
+            "partition_rule": self.partition_rule,
+            "partition": self.partition,
+            "num_params": self.num_params,
+            "params": self.params,
+            "param_groups": encode_groups(self.param_groups, "index"),
+            "files": [{"name": n, **info} for n, info in self.files.items()],
+            "state": encode_state(self.state),
+        }
+
+    def dumps(self) -> str:
+        """Return the text of ``index.json``: one line per key, param, group, file and state.
+
+        Raises:
+            TypeError: a hyperparameter or state value cannot be stored.
+        """
+
+        def compact(value: Any) -> str:
+            return json.dumps(value, separators=(", ", ": "), allow_nan=False)
+
+        lines = []
+        for key, value in self.to_json().items():
+            if isinstance(value, list) and value:
+                body = "[\n" + ",\n".join(f"  {compact(v)}" for v in value) + "\n ]"
+            elif isinstance(value, dict) and value:
+                body = (
+                    "{\n"
+                    + ",\n".join(f"  {compact(k)}: {compact(v)}" for k, v in value.items())
+                    + "\n }"
+                )
+            else:
+                body = compact(value)
+            lines.append(f" {compact(key)}: {body}")
+        return "{\n" + ",\n".join(lines) + "\n}\n"
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Index:
+        """Validate and parse the JSON object of an index.
+
+        Raises:
+            ValueError: not an oss_plus index, another format version, or a malformed entry;
+                the message names ``where`` (the index path) and the key.
+        """
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise ValueError(
+                f"{where} is not an oss_plus checkpoint index (no format {FORMAT_NAME!r})"
+            )
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            fix = (
+                "it was written by a newer oss_plus: upgrade oss_plus to read it"
+                if isinstance(version, int) and version > FORMAT_VERSION
+                else "the index is damaged or was not written by oss_plus; restore it "
+                "from a backup or re-save the checkpoint"
+            )
+            raise ValueError(BAD_VERSION.format(where=where, found=version, fix=fix))
+        try:
+            return cls._parse(data, where)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if str(exc).startswith(where):
+                raise
+            raise ValueError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _parse(cls, data: dict[str, Any], where: str) -> Index:
+        files = {
+            str(f["name"]): {"rank": int(f["rank"]), "bytes": int(f["bytes"])}
+            for f in data["files"]
+        }
+        if data["layout"] not in (SHARDED, CONSOLIDATED):
+            raise ValueError(f"{where}: unknown layout {data['layout']!r}")
+        state = decode_state(data["state"], where, files)
+        index = cls(
+            layout=data["layout"],
+            save_id=str(data["save_id"]),
+            param_groups=decode_groups(data["param_groups"], where),
+            files=files,
+            state=state,
+            params=data.get("params"),
+            optimizer=data.get("optimizer"),
+            world_size=data.get("world_size"),
+            partition=data.get("partition"),
+            partition_rule=data.get("partition_rule"),
+            created_by=str(data.get("created_by", "")),
+        )
+        _check_counts(index, data.get("num_params"), where)
+        return index
+
+
+def encode_state(state: Mapping[int, Mapping[str, TensorRef | PlainValue]]) -> dict[str, Any]:
+    """Encode per-param state entries (``TensorRef`` or ``PlainValue``) as index JSON.
+
+    Raises:
+        TypeError: a plain value cannot be stored.
+    """
+    return {
+        str(i): {
+            k: {"tensor": v.to_json()}
+            if isinstance(v, TensorRef)
+            else {"value": encode_value(v.value, f"state {i} key {k!r}")}
+            for k, v in state[i].items()
+        }
+        for i in sorted(state)
+    }
+
+
+def decode_state(
+    data: Mapping[str, Any], where: str, files: Mapping[str, Any]
+) -> dict[int, dict[str, TensorRef | PlainValue]]:
+    """Decode what :func:`encode_state` produced; every file must be one of ``files``.
+
+    Raises:
+        ValueError: a malformed entry (named by index and key) or an unlisted file.
+    """
+    return {
+        int(i): {
+            k: _parse_entry(e, f"{where}: state {i} key {k!r}", files) for k, e in entries.items()
+        }
+        for i, entries in data.items()
+    }
+
+
+def _parse_entry(entry: Any, where: str, files: Mapping[str, Any]) -> TensorRef | PlainValue:
+    if "value" in entry:
+        return PlainValue(decode_value(entry["value"], where))
+    ref = entry["tensor"]
+    parsed = TensorRef(
+        str(ref["file"]),
+        str(ref["name"]),
+        str(ref["dtype"]),
+        tuple(int(s) for s in ref["shape"]),
+        int(ref["crc32"]),
+    )
+    torch_dtype(parsed.dtype, where)
+    if parsed.file not in files:
+        raise ValueError(f"{where}: refers to file {parsed.file!r}, which the index does not list")
+    return parsed
+
+
+def _check_counts(index: Index, num_params: Any, where: str) -> None:
+    flat = [i for g in index.param_groups for i in g["params"]]
+    if flat != list(range(len(flat))) or num_params != len(flat):
+        raise ValueError(f"{where}: param_groups must list flat indices 0..{num_params}-1 in order")
+    if index.params is not None and len(index.params) != len(flat):
+        raise ValueError(
+            f"{where}: 'params' has {len(index.params)} entries for {len(flat)} params"
+        )
+    unknown = [i for i in index.state if not 0 <= i < len(flat)]
+    if unknown:
+        raise ValueError(f"{where}: state for param {unknown[0]}, which no param group lists")

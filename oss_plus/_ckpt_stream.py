@@ -1,0 +1,233 @@
+"""The consolidated save's data path: every rank's tensors to group rank 0, in bounded messages.
+
+Each sender's state tensors form one stream, in file order. Both ends cut it into the same
+messages (:func:`message_plan`): tensors smaller than :data:`ALONE_BYTES` are packed together
+up to ``CHUNK_BYTES`` (one copy into a packing buffer), larger ones travel alone in chunks of
+at most ``CHUNK_BYTES`` (views of their memory, no copy). So a model with thousands of small
+params sends a few messages, not thousands. Senders checksum their bytes.
+
+Group rank 0 receives the streams one sender after the other with two receives posted ahead,
+and writes every piece at its offset in the file, while a thread writes rank 0's own tensors.
+No rank holds more than two buffers of ``CHUNK_BYTES`` beyond its own state.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oss_plus import _ckpt_io
+from oss_plus._dist import comm_device, global_rank
+
+__all__ = ["ALONE_BYTES", "message_plan", "receive_to_file", "send_tensors"]
+
+#: Tensors at least this large travel alone (in chunks); smaller ones are packed together.
+ALONE_BYTES = 1 << 20
+#: A piece of a message: (item index in the stream, first byte within the item, length).
+Piece = tuple[int, int, int]
+
+
+def message_plan(sizes: Sequence[int]) -> list[list[Piece]]:
+    """Cut a stream of items of ``sizes`` bytes into messages (the same on both ends).
+
+    Example:
+        >>> message_plan([4, 8, 0, 4])
+        [[(0, 0, 4), (1, 0, 8), (3, 0, 4)]]
+    """
+    step = _ckpt_io.CHUNK_BYTES
+    messages: list[list[Piece]] = []
+    run: list[Piece] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        alone = n >= min(ALONE_BYTES, step)
+        if alone or filled + n > step:
+            if run:
+                messages.append(run)
+            run, filled = [], 0
+        if alone:
+            messages.extend([(i, start, min(step, n - start))] for start in range(0, n, step))
+        elif n > 0:
+            run.append((i, 0, n))
+            filled += n
+    if run:
+        messages.append(run)
+    return messages
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int], Exception | None]:
+    """Send the bytes of ``tensors`` to group rank 0 as :func:`message_plan` cuts them.
+
+    A failure while preparing the bytes does not break the protocol: zeros are sent in place
+    of the missing bytes and the error is returned, for ``raise_everywhere``.
+
+    Returns:
+        The CRC-32 of every tensor, and the first error (or None).
+
+    .. warning:: Collective with :func:`receive_to_file` on group rank 0.
+    """
+    device, dst = comm_device(group), global_rank(group, 0)
+    crcs = [0] * len(tensors)
+    views: dict[int, torch.Tensor] = {}
+    pack: torch.Tensor | None = None
+    error: Exception | None = None
+    with torch.profiler.record_function("oss_plus::checkpoint_send"):
+        for message in message_plan([t.numel() * t.element_size() for t in tensors]):
+            if pack is None and len(message) > 1:
+                pack = torch.empty(_ckpt_io.CHUNK_BYTES, dtype=torch.uint8)
+            buffer = None
+            if error is None:
+                try:
+                    buffer = _message(tensors, views, message, crcs, pack)
+                except Exception as exc:  # noqa: BLE001 - reported by raise_everywhere
+                    error = exc
+            if buffer is None:  # keep the protocol: zeros in place of the missing bytes
+                if pack is None:
+                    pack = torch.empty(_ckpt_io.CHUNK_BYTES, dtype=torch.uint8)
+                buffer = pack[: sum(n for _, _, n in message)].zero_()
+            work = dist.isend(buffer.to(device), dst=dst, group=group)
+            if work is not None:
+                work.wait()
+    return crcs, error
+
+
+def _message(
+    tensors: Sequence[torch.Tensor],
+    views: dict[int, torch.Tensor],
+    message: list[Piece],
+    crcs: list[int],
+    pack: torch.Tensor | None,
+) -> torch.Tensor:
+    """Return the bytes of one message (a view, or packed into ``pack``); update ``crcs``."""
+    parts = []
+    for i, start, n in message:
+        if i not in views:
+            views[i] = _ckpt_io.byte_view(tensors[i])
+        part = views[i][start : start + n]
+        crcs[i] = zlib.crc32(_ckpt_io.as_buffer(part), crcs[i])
+        parts.append(part)
+        if start + n == views[i].numel():
+            del views[i]
+    if len(parts) == 1:
+        return parts[0]
+    assert pack is not None
+    at = 0
+    for part in parts:
+        pack[at : at + part.numel()].copy_(part)
+        at += part.numel()
+    return pack[:at]
+
+
+def receive_to_file(
+    items: Sequence[tuple[int, Any, int]], writer: Any, offset: int, group: Any
+) -> tuple[dict[int, int], Exception | None]:
+    """On group rank 0: write every item's bytes at its place in the file.
+
+    Args:
+        items: ``(owner rank, local tensor or None, nbytes)`` in file order.
+        writer: the open :class:`oss_plus._ckpt_io.FileWriter`, or None if opening failed
+            (the bytes are still received, so the senders never block).
+        offset: where the first item starts in the file (the header's length).
+        group: the process group.
+
+    Returns:
+        The CRC-32 of every local item by position (the senders checksum theirs), and the
+        first error (or None).
+
+    .. warning:: Collective with :func:`send_tensors` on the other ranks.
+    """
+    starts, position = [], offset
+    for _, _, nbytes in items:
+        starts.append(position)
+        position += nbytes
+    local = _LocalWriter(
+        [(pos, item[1], starts[pos]) for pos, item in enumerate(items) if item[0] == 0], writer
+    )
+    schedule = _schedule(items)
+    receiver = _Prefetcher(schedule, group)
+    error: Exception | None = None
+    with torch.profiler.record_function("oss_plus::checkpoint_receive"):
+        local.start()
+        for k, (_, _, pieces) in enumerate(schedule):
+            buffer = receiver.take(k)
+            if writer is not None and error is None:
+                try:
+                    at = 0
+                    for pos, start, n in pieces:
+                        writer.write_at(
+                            _ckpt_io.as_buffer(buffer[at : at + n]), starts[pos] + start
+                        )
+                        at += n
+                except Exception as exc:  # noqa: BLE001 - keep receiving, report later
+                    error = exc
+            receiver.post()  # the buffer of message k is free again
+        local.join()
+    return local.crcs, error or local.error
+
+
+def _schedule(items: Sequence[tuple[int, Any, int]]) -> list[tuple[int, int, list[Piece]]]:
+    """Every remote message, sender after sender: (owner, bytes, pieces by file position)."""
+    schedule = []
+    for owner in sorted({item[0] for item in items} - {0}):
+        positions = [pos for pos, item in enumerate(items) if item[0] == owner]
+        for message in message_plan([items[pos][2] for pos in positions]):
+            pieces = [(positions[i], start, n) for i, start, n in message]
+            schedule.append((owner, sum(n for _, _, n in message), pieces))
+    return schedule
+
+
+class _LocalWriter(threading.Thread):
+    """Writes (and checksums) rank 0's own items at their offsets, in a thread."""
+
+    def __init__(self, items: list[tuple[int, torch.Tensor, int]], writer: Any) -> None:
+        super().__init__(name="oss_plus-checkpoint-writer", daemon=True)
+        self._items, self._writer = items, writer
+        self.crcs: dict[int, int] = {}
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        if self._writer is None:
+            return
+        try:
+            for pos, tensor, start in self._items:
+                crc = 0
+                for chunk in _ckpt_io.byte_chunks(tensor):
+                    data = _ckpt_io.as_buffer(chunk)
+                    crc = zlib.crc32(data, crc)
+                    self._writer.write_at(data, start)
+                    start += len(data)
+                self.crcs[pos] = crc
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            self.error = exc
+
+
+class _Prefetcher:
+    """Posts the receives of a schedule of messages, at most two ahead, in order."""
+
+    def __init__(self, schedule: Sequence[tuple[int, int, list[Piece]]], group: Any) -> None:
+        self._schedule, self._group = schedule, group
+        device = comm_device(group)
+        self._buffers = [
+            torch.empty(_ckpt_io.CHUNK_BYTES, dtype=torch.uint8, device=device)
+            for _ in range(min(2, len(schedule)))
+        ]
+        self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._next = 0
+        self.post()
+
+    def post(self) -> None:
+        while self._next < len(self._schedule) and len(self._posted) < len(self._buffers):
+            owner, size, _ = self._schedule[self._next]
+            view = self._buffers[self._next % len(self._buffers)][:size]
+            work = dist.irecv(view, src=global_rank(self._group, owner), group=self._group)
+            self._posted[self._next] = (work, view)
+            self._next += 1
+
+    def take(self, k: int) -> torch.Tensor:
+        work, view = self._posted.pop(k)
+        work.wait()
+        return view
