@@ -37,11 +37,15 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Return the bytes of tensor state an optimizer holds."""
     return sum(
         v.numel() * v.element_size()
-        for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
     )
 
 
-def _train(model: DDP, opt: Any, steps: int, width: int, rank: int) -> tuple[list[float], list[float]]:
+def _train(
+    model: DDP, opt: Any, steps: int, width: int, rank: int
+) -> tuple[list[float], list[float]]:
     losses, times = [], []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -66,9 +70,13 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> dic
     ref_losses, ref_times = _train(plain, ref, steps, width, rank)
     identical = all(torch.equal(a, b) for a, b in zip(sharded.parameters(), plain.parameters()))
     return {
-        "losses": losses, "ref_losses": ref_losses, "identical": identical,
-        "state": state_bytes(opt.optim), "ref_state": state_bytes(ref),
-        "step": statistics.median(times[1:]), "ref_step": statistics.median(ref_times[1:]),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "identical": identical,
+        "state": state_bytes(opt.optim),
+        "ref_state": state_bytes(ref),
+        "step": statistics.median(times[1:]),
+        "ref_step": statistics.median(ref_times[1:]),
         "params": sum(p.numel() for p in sharded.parameters()),
     }
 
@@ -88,16 +96,20 @@ def run_demo(world_size: int = 2, steps: int = 20, width: int = 256, depth: int 
         lines.append(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {'yes' if a == b else 'NO'}")
     lines.append("")
     for rank, r in enumerate(results):
+        mib, ref_mib = r["state"] / 2**20, r["ref_state"] / 2**20
+        share = r["state"] / max(r["ref_state"], 1)
         lines.append(
-            f"rank {rank}: optimizer state {r['state'] / 2**20:.2f} MiB vs {r['ref_state'] / 2**20:.2f} "
-            f"MiB unsharded ({r['state'] / max(r['ref_state'], 1):.0%}); step {r['step'] * 1e3:.2f} ms "
-            f"vs {r['ref_step'] * 1e3:.2f} ms"
+            f"rank {rank}: optimizer state {mib:.2f} MiB vs {ref_mib:.2f} MiB unsharded "
+            f"({share:.0%}); step {r['step'] * 1e3:.2f} ms vs {r['ref_step'] * 1e3:.2f} ms"
         )
     same = all(r["identical"] for r in results) and all(
-        r["losses"] == r["ref_losses"] for r in results)
+        r["losses"] == r["ref_losses"] for r in results
+    )
     lines.append("")
-    lines.append("parameters and losses bit-identical to unsharded Adam on every rank: "
-                 + ("yes" if same else "NO"))
+    lines.append(
+        "parameters and losses bit-identical to unsharded Adam on every rank: "
+        + ("yes" if same else "NO")
+    )
     return "\n".join(lines)
 
 
@@ -124,8 +136,13 @@ def amp_rank_main(
     """Train the AMP recipe sharded (bf16 wire) and unsharded on one rank; return the log."""
     sharded = DDP(_model(width, depth), process_group=group)
     plain = DDP(_model(width, depth), process_group=group)
-    opt = OSS(sharded.parameters(), optim=torch.optim.Adam, group=group, lr=1e-3,
-              broadcast_dtype=torch.bfloat16)
+    opt = OSS(
+        sharded.parameters(),
+        optim=torch.optim.Adam,
+        group=group,
+        lr=1e-3,
+        broadcast_dtype=torch.bfloat16,
+    )
     ref = torch.optim.Adam(plain.parameters(), lr=1e-3)
     # a high initial scale overflows at first: the scaler backs off (skipping those steps),
     # then grows again every AMP_GROWTH clean steps
@@ -138,7 +155,9 @@ def amp_rank_main(
         log["ref_rows"].append(_amp_step(plain, ref, ref_scaler, x))
     diffs = [(a - b).abs().max().item() for a, b in zip(sharded.parameters(), plain.parameters())]
     log.update(
-        scale=scaler.get_scale(), ref_scale=ref_scaler.get_scale(), param_diff=max(diffs),
+        scale=scaler.get_scale(),
+        ref_scale=ref_scaler.get_scale(),
+        param_diff=max(diffs),
         wire_fp32=opt.sync_buckets.wire_bytes(None),
         wire=opt.sync_buckets.wire_bytes(opt.wire_dtype),
         params=sum(p.numel() for p in sharded.parameters()),
@@ -161,8 +180,10 @@ def format_amp_report(results: list[dict[str, Any]], steps: int) -> str:
     for i in range(0, steps, max(1, steps // 10)):
         (loss, norm, skip), (rloss, rnorm, rskip) = r0["rows"][i], r0["ref_rows"][i]
         mark = "yes" if skip else "no"
-        lines.append(f"{i:>4}  {loss:>11.6f}  {rloss:>11.6f}  {norm:>11.4g}  {rnorm:>11.4g}  "
-                     f"{mark}{'' if skip == rskip else ' (ref differs)'}")
+        lines.append(
+            f"{i:>4}  {loss:>11.6f}  {rloss:>11.6f}  {norm:>11.4g}  {rnorm:>11.4g}  "
+            f"{mark}{'' if skip == rskip else ' (ref differs)'}"
+        )
     skipped = [[i for i, row in enumerate(r["rows"]) if row[2]] for r in results]
     ref_skipped = [i for i, row in enumerate(r0["ref_rows"]) if row[2]]
     same = all(s == skipped[0] for s in skipped) and len({r["scale"] for r in results}) == 1
@@ -194,16 +215,18 @@ def _run(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand to the ``oss-plus`` parser."""
     demo = sub.add_parser(
-        "demo", help="train a small model with DDP + OSS on local gloo ranks and print a report",
+        "demo",
+        help="train a small model with DDP + OSS on local gloo ranks and print a report",
         description="Spawn local gloo ranks, train a small MLP with DDP + oss_plus.OSS(Adam) and "
-                    "with DDP + plain Adam, and compare losses, state size and step time.",
+        "with DDP + plain Adam, and compare losses, state size and step time.",
     )
     demo.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     demo.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
     demo.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
     demo.add_argument(
-        "--amp", action="store_true",
+        "--amp",
+        action="store_true",
         help="fp16 autocast + ShardedGradScaler + clip_grad_norm + bf16 wire (docs/amp.md)",
     )
     demo.set_defaults(func=_run)

@@ -11,6 +11,7 @@ Transports (:class:`Transport`), chosen when the layout is built, identically on
 * ``all_gather``: per (device, dtype) one flat buffer with an equal, padded region per rank
   (the buckets are views of it) and one ``all_gather_single`` per buffer. The default for CUDA
   buckets on NCCL (one collective per dtype instead of one per rank). Slow on gloo.
+
 Every byte moves through ``torch.distributed`` collectives on the optimizer's group: oss_plus
 writes no transport of its own (a shared-memory path measured faster on one host, but it is
 a transport of our own that only works on one host, and it was removed).
