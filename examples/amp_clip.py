@@ -41,8 +41,8 @@ def main() -> None:
                 f"scale {scaler.get_scale():.0f}"
             )
     log(f"skipped steps (same on every rank): {int(skipped)}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns first, so no optimizer outlives the process group
+    dist.destroy_process_group()

@@ -46,8 +46,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(net.state_dict(), os.path.join(args.dir, "model.pt"))
     log(f"saved {args.dir} from {dist.get_world_size()} rank(s)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns first, so no optimizer outlives the process group
+    dist.destroy_process_group()

@@ -29,8 +29,8 @@ def main() -> None:
     owned = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
     total = sum(p.numel() for p in net.parameters())
     print(f"rank {dist.get_rank()}: optimizer state for {owned}/{total} params", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns first, so no optimizer outlives the process group
+    dist.destroy_process_group()

@@ -49,8 +49,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         state = opt.state_dict()
         log(f"consolidated state for {len(state['state'])} params")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns first, so no optimizer outlives the process group
+    dist.destroy_process_group()
