@@ -1,13 +1,9 @@
-"""Shared pytest fixtures: one persistent distributed worker pool per session."""
+"""Hooks for tests/; the ``pool`` fixture lives in the root conftest.py (shared with compat/)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-
-from oss_plus.testing import WorkerPool
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,11 +19,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-@pytest.fixture(scope="session")
-def pool() -> Iterator[WorkerPool]:
-    """A pool of 4 gloo workers shared by the whole test session."""
-    workers = WorkerPool(world_size=4)
-    yield workers
-    workers.close()

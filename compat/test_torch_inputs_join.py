@@ -1,0 +1,153 @@
+"""Differential suite, torch ZeroRedundancyOptimizer against oss_plus.compat.torch's: the
+inputs torch rejects (mixed dtypes, bad params) and uneven inputs under Join.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diff_utils import caught, clones, flat_model, loss_of, make_model
+from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch_cases import CLASSES, MODE_IDS, MODES, build
+
+from oss_plus.compat.torch import ZeroRedundancyOptimizer
+from oss_plus.testing import PoolError
+
+pytestmark = pytest.mark.compat
+
+
+# ------------------------------------------------------------------ inputs
+def dtype_task(ctx):
+    torch.manual_seed(0)
+    values = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
+    out = {}
+    for kind in (*CLASSES, "reference"):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        if kind == "reference":
+            opt = torch.optim.Adam(params, lr=0.1)
+        else:
+            made = caught(ctx, lambda ctx, k=kind, p=params: build(k, p, ctx, True, lr=0.1))
+            if made[0] != "ok":
+                out[kind] = made[0]
+                continue
+            opt = made[1]
+        for _ in range(3):
+            opt.zero_grad()
+            sum((p.double() ** 2).sum() for p in params).backward()
+            opt.step()
+        out[kind] = [p.detach().clone() for p in params]
+    return out
+
+
+def test_mixed_dtypes(pool):
+    """torch #5: mixed dtypes raise ValueError; ours trains them like the plain optimizer."""
+    for r in pool.run(dtype_task, world_size=2):
+        assert r["torch"] == "ValueError"
+        assert all(torch.equal(a, b) for a, b in zip(r["ours"], r["reference"]))
+
+
+def _bad_params():
+    p = torch.nn.Parameter(torch.zeros(2))
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (2,), requires_grad=True)
+    return {
+        "tensor": p,
+        "not_iterable": 3,
+        "empty": [],
+        "tensors_and_dicts": [p, {"params": [torch.nn.Parameter(torch.zeros(1))]}],
+        "group_without_params": [{"lr": 0.1}],
+        "non_tensor": [p, 5],
+        "sparse": [p, sparse],
+        "named_parameters": list(torch.nn.Linear(2, 2).named_parameters()),
+        "non_leaf": [torch.zeros(2, requires_grad=True) * 2],
+        "in_two_groups": [{"params": [p]}, {"params": [p]}],
+        "set_in_group": [{"params": {p}}],
+        "duplicate_in_group": [p, p],
+    }
+
+
+def bad_params_task(ctx):
+    out = {}
+    for name in _bad_params():
+        for kind in CLASSES:
+            params = _bad_params()[name]
+            out[(name, kind)] = caught(ctx, lambda ctx, k=kind, p=params: build(k, p, ctx, False))[
+                0
+            ]
+    out[("functional", "torch")] = caught(
+        ctx,
+        lambda ctx: TorchZero(
+            [torch.nn.Parameter(torch.zeros(1))], _functional_adam(), process_group=ctx.group
+        ),
+    )[0]
+    out[("functional", "ours")] = caught(
+        ctx,
+        lambda ctx: ZeroRedundancyOptimizer(
+            [torch.nn.Parameter(torch.zeros(1))], _functional_adam(), process_group=ctx.group
+        ),
+    )[0]
+    return out
+
+
+def _functional_adam():
+    from torch.distributed.optim.utils import functional_optim_map
+
+    return functional_optim_map[torch.optim.Adam]
+
+
+def test_bad_params_raise_the_exception_types_torch_raises(pool):
+    """The same exception type for every bad input, but for a param listed twice in a group:
+    torch only warns and then applies its update twice; ours raises ValueError."""
+    (r,) = pool.run(bad_params_task, world_size=1)
+    names = sorted({name for name, _ in r} - {"duplicate_in_group"})
+    for name in names:
+        assert r[(name, "ours")] == r[(name, "torch")] != "ok", name
+    assert r[("duplicate_in_group", "torch")] == "ok"
+    assert r[("duplicate_in_group", "ours")] == "ValueError"
+
+
+# ------------------------------------------------------------------ Join
+def join_task(ctx, bucket_view):
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+        ddp = DistributedDataParallel(m, process_group=ctx.group)
+        opt = build(kind, ddp.parameters(), ctx, bucket_view)
+        with Join([ddp, opt]):
+            for step in range(2 + 2 * ctx.rank):  # uneven inputs
+                opt.zero_grad()
+                loss_of(ddp, step, rank=ctx.rank).backward()
+                opt.step()
+        out[kind] = flat_model(m)
+    return out
+
+
+@pytest.mark.parametrize("bucket_view", MODES, ids=MODE_IDS)
+def test_join_with_ddp_and_uneven_inputs(pool, bucket_view):
+    """No rank hangs; the result equals torch ZeRO's, bit for bit."""
+    results = pool.run(join_task, bucket_view, world_size=3, timeout=60)
+    for r in results:
+        assert torch.equal(r["torch"], r["ours"])
+        assert torch.equal(r["ours"], results[0]["ours"])
+
+
+def join_alone_task(ctx, kind):
+    m = make_model()
+    opt = build(kind, m.parameters(), ctx, False, torch.optim.SGD, lr=0.1)
+    with Join([opt]):  # the optimizer is the only (hence first) joinable
+        for step in range(1 + ctx.rank):
+            opt.zero_grad()
+            loss_of(m, step).backward()
+            opt.step()
+    return flat_model(m)
+
+
+def test_join_with_the_optimizer_as_first_joinable(pool):
+    """torch's join hook calls step(), which notifies the join context once more: with ZeRO
+    as the first (or only) joinable the joined rank makes one all_reduce too many (gloo
+    aborts, or a hang). Ours shadows the step without notifying."""
+    with pytest.raises(PoolError):
+        pool.run(join_alone_task, "torch", world_size=2, timeout=10)
+    results = pool.run(join_alone_task, "ours", world_size=2)
+    assert torch.equal(results[0], results[1])

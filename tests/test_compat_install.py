@@ -1,0 +1,116 @@
+"""oss_plus.compat.fairscale.install() with fairscale absent or broken (simulated).
+
+Each scenario runs in a fresh interpreter, where an import hook placed first on
+``sys.meta_path`` hides the installed fairscale (or makes it fail to import). The case with a
+working fairscale is in compat/test_fairscale_diff.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PRELUDE = textwrap.dedent(
+    """
+    import importlib.abc, importlib.machinery, importlib.util, sys
+
+    class Hide(importlib.abc.MetaPathFinder):
+        '''fairscale is not installed'''
+        def find_spec(self, name, path, target=None):
+            if name == "fairscale" or name.startswith("fairscale."):
+                raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+    class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        '''fairscale is installed but fails to import (e.g. built for another torch)'''
+        def find_spec(self, name, path, target=None):
+            if name == "fairscale" or name.startswith("fairscale."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        def create_module(self, spec):
+            return None
+        def exec_module(self, module):
+            raise ImportError("fairscale is broken")
+
+    sys.meta_path.insert(0, {finder}())
+    """
+)
+
+SCENARIO = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    import oss_plus.compat.fairscale as compat
+    import oss_plus.compat.torch
+    assert not any(m == "fairscale" or m.startswith("fairscale.") for m in sys.modules), "imported"
+
+    assert compat.install() == "shim" and compat.install() == "shim"
+    assert compat.is_installed() == "shim"
+    from fairscale.optim import OSS
+    from fairscale.optim.oss import OSS as OSS2
+    import fairscale
+    assert OSS is OSS2 is compat.OSS
+    assert fairscale.__version__ == "0.4.13"
+    assert importlib.util.find_spec("fairscale") is not None
+    try:
+        import fairscale.nn  # not served by the stand-in
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("fairscale.nn should not import")
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ref = torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.ones(3, 4) * step).pow(2).sum().backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    opt.consolidate_state_dict()
+    assert sorted(opt.state_dict()["state"]) == [0, 1]
+    dist.destroy_process_group()
+
+    compat.uninstall()
+    assert compat.is_installed() is None
+    assert "fairscale" not in sys.modules
+    try:
+        import fairscale
+    except ImportError:
+        print("OK")
+    """
+)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("finder", ["Hide", "Broken"])
+def test_install_serves_fairscale_imports_without_a_working_fairscale(finder):
+    """The adapters import without fairscale; install() makes both import paths resolve to
+    the adapter, which trains; uninstall() restores the previous state."""
+    script = PRELUDE.format(finder=finder) + SCENARIO.format(port=_free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("OK")
