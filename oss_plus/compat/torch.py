@@ -1,0 +1,397 @@
+"""Drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``, built on :class:`oss_plus.OSS`.
+
+Same constructor, sorted-greedy partition (largest first within each group, frozen params
+weigh their size), both sync layouts (per-param broadcasts, or flat bucket views with
+``parameters_as_bucket_view=True``), automatic detection of trainability changes,
+``consolidate_state_dict(to)`` / ``state_dict()`` / ``load_state_dict`` in the plain
+``torch.optim`` format, the exception types torch raises for bad ``params``, ``optim`` (the
+local optimizer), ``_all_params``, and :class:`~torch.distributed.algorithms.join.Joinable`
+support for uneven inputs. In fp32 the parameters are bit-identical to torch ZeRO's.
+It is not a subclass or wrapper of torch's class. ``docs/migration.md`` lists the
+differences (bug fixes).
+
+Example:
+    >>> from oss_plus.compat.torch import ZeroRedundancyOptimizer  # doctest: +SKIP
+    >>> opt = ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from oss_plus import _dist
+from oss_plus._overlap_layout import OverlapSync
+from oss_plus.compat._base import CompatOSS
+from oss_plus.compat._torch_sync import OrderedBucketSync, ParamBroadcast
+from oss_plus.compat.ddp_zero_hook import (
+    OverlapPlan,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+)
+from oss_plus.partition import Rule
+from oss_plus.sync import BucketSync
+
+__all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+logger = logging.getLogger(__name__)
+
+#: torch's messages for what ``overlap_with_ddp=True`` does not support.
+OVERLAP_ONE_GROUP = (
+    "ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter "
+    "group"
+)
+OVERLAP_STEP = "`step()` should not be included in the training loop when `overlap_with_ddp=True`"
+OVERLAP_BUCKET_VIEW = (
+    "`parameters_as_bucket_view=True` will be ignored since `overlap_with_ddp=True`; instead, "
+    "a different bucketing strategy will be used"
+)
+#: Raised by :meth:`ZeroRedundancyOptimizer.state_dict` without a prior consolidation here.
+NOT_CONSOLIDATED = (
+    "the optimizer state has not been consolidated on this rank: call "
+    "consolidate_state_dict(to={rank}) on every rank first"
+)
+#: Raised for the ``params`` argument, with the exception types torch uses.
+PARAMS_IS_TENSOR = (
+    "params must be an iterable of tensors or of param-group dicts, got a single {typename}: "
+    "wrap it in a list"
+)
+PARAMS_NOT_ITERABLE = (
+    "params must be an iterable of tensors or of param-group dicts, got {typename}"
+)
+PARAMS_EMPTY = "ZeroRedundancyOptimizer got an empty parameter list: pass model.parameters()"
+PARAMS_MIXED = (
+    "params must be all tensors or all param-group dicts, got a mix: {kinds}; "
+    "named_parameters() pairs are not accepted either, pass model.parameters()"
+)
+GROUP_WITHOUT_PARAMS = "param group {index} has no 'params' key: every group dict needs one"
+GROUP_PARAMS_SET = (
+    "param group {index}: 'params' is a set, whose order differs between runs and ranks: "
+    "pass a list"
+)
+NOT_DENSE = (
+    "ZeroRedundancyOptimizer needs dense tensors on one device type, but param {index} is "
+    "{what}: pass dense parameters (any floating dtypes may be mixed)"
+)
+NO_PARAMS = "every param group is empty: ZeroRedundancyOptimizer needs at least one parameter"
+FUNCTIONAL_OPTIMIZER = (
+    "{name} is a functional optimizer, used only with overlap_with_ddp=True: pass the "
+    "torch.optim class instead (e.g. torch.optim.Adam)"
+)
+
+
+def _params_as_list(params: Any) -> list[Any]:
+    """Return ``params`` as a list, raising TypeError/ValueError as torch does."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(PARAMS_IS_TENSOR.format(typename=torch.typename(params)))
+    try:
+        items = list(params)
+    except TypeError as exc:
+        raise TypeError(PARAMS_NOT_ITERABLE.format(typename=torch.typename(params))) from exc
+    if not items:
+        raise ValueError(PARAMS_EMPTY)
+    kinds = {type(item).__name__ for item in items}
+    if not (
+        all(isinstance(i, torch.Tensor) for i in items) or all(isinstance(i, dict) for i in items)
+    ):
+        raise TypeError(PARAMS_MIXED.format(kinds=sorted(kinds)))
+    return items
+
+
+def _flatten(items: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Return (params for the core, every param in order); group dicts are copied."""
+    if isinstance(items[0], torch.Tensor):
+        return items, items
+    groups, flat = [], []
+    for index, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(GROUP_WITHOUT_PARAMS.format(index=index))
+        members = group["params"]
+        if isinstance(members, set):
+            raise TypeError(GROUP_PARAMS_SET.format(index=index))
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        groups.append({**group, "params": members})
+        flat.extend(members)
+    return groups, flat
+
+
+def _check_dense(flat: list[Any]) -> None:
+    """Raise ValueError (torch's type) for a non-tensor, sparse or other-device-type param."""
+    if not flat:
+        raise ValueError(NO_PARAMS)
+    device_type = flat[0].device.type if isinstance(flat[0], torch.Tensor) else None
+    for index, p in enumerate(flat):
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(NOT_DENSE.format(index=index, what=f"a {type(p).__name__}"))
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(NOT_DENSE.format(index=index, what=f"sparse ({p.layout})"))
+        if p.device.type != device_type:
+            raise ValueError(
+                NOT_DENSE.format(index=index, what=f"on {p.device.type}, param 0 on {device_type}")
+            )
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    from torch.distributed.optim.utils import functional_optim_map
+
+    if optimizer_class in functional_optim_map.values():
+        raise ValueError(FUNCTIONAL_OPTIMIZER.format(name=optimizer_class.__name__))
+
+
+def _overlap_optimizer_class(optimizer_class: Any) -> Any:
+    """Return the ``torch.optim`` class to step with: a functional class (what torch's
+    overlap mode uses) is mapped back to its ``torch.optim`` class."""
+    from torch.distributed.optim.utils import functional_optim_map
+
+    for torch_class, functional in functional_optim_map.items():
+        if optimizer_class is functional:
+            return torch_class
+    return optimizer_class
+
+
+class _ZeroJoinHook(JoinHook):
+    """Shadows the optimizer step on a rank that ran out of inputs (a step, as torch does).
+
+    Unlike torch's hook, the shadow step does not notify the join context: the context
+    already matched the active ranks' notification with its own all_reduce, so a second
+    one (torch's hook calls ``step()``) hangs or aborts when the optimizer is the first
+    joinable, or the only one.
+    """
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        super().__init__()
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        """Step with the gradients in place, so the broadcasts of the others are matched.
+
+        With ``overlap_with_ddp=True`` nothing (torch's hook calls ``step()``, a no-op there).
+        """
+        if not self.zero._overlap_with_ddp:
+            self.zero._step_and_sync()
+
+
+class ZeroRedundancyOptimizer(CompatOSS, Joinable):
+    """``torch.distributed.optim.ZeroRedundancyOptimizer`` on oss_plus's core.
+
+    Args:
+        params: tensors or param-group dicts (not ``named_parameters()`` pairs, as torch).
+        optimizer_class: the local optimizer class (e.g. ``torch.optim.Adam``).
+        process_group: the group to shard over (default: WORLD).
+        parameters_as_bucket_view: pack each rank's trainable params into one flat buffer
+            and make ``param.data`` views into it (one broadcast per rank instead of one
+            per param).
+        overlap_with_ddp: run the step inside DDP's backward instead of in :meth:`step`:
+            register ``hook_with_zero_step(allreduce_hook, ddp, opt)`` (or the interleaved
+            variant) with ``ddp.register_comm_hook(None, ...)``; one param group only;
+            ``parameters_as_bucket_view`` is ignored (the params are laid out by DDP
+            bucket); any ``torch.optim`` class (or torch's functional equivalent) works.
+            See ``docs/overlap.md``.
+        **defaults: hyperparameters for ``optimizer_class``.
+
+    Raises:
+        TypeError: ``params`` is a tensor, not iterable, or mixes tensors and dicts.
+        ValueError: empty params, a group without ``params``, a non-tensor, sparse or
+            other-device-type param, a functional optimizer without ``overlap_with_ddp``,
+            or ranks holding different models (raised on every rank).
+        RuntimeError: ``overlap_with_ddp=True`` with several param groups (torch raises it
+            later, inside the first backward after its warm-up).
+
+    Example:
+        >>> opt = ZeroRedundancyOptimizer(ddp.parameters(), Adam, lr=0.01)  # doctest: +SKIP
+        >>> with Join([ddp, opt]):  # doctest: +SKIP
+        ...     for batch in batches:
+        ...         ddp(batch).sum().backward(); opt.step()
+
+    .. warning:: Collective: construct on every rank of ``process_group``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type[Optimizer],
+        process_group: Any | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ) -> None:
+        self._overlap_with_ddp = overlap_with_ddp
+        self._overlap: OverlapPlan | None = None
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        try:
+            params, flat = _flatten(_params_as_list(params))
+            _check_dense(flat)
+            if overlap_with_ddp:
+                optimizer_class = _overlap_optimizer_class(optimizer_class)
+                if isinstance(params[0], dict) and len(params) > 1:
+                    raise RuntimeError(OVERLAP_ONE_GROUP)
+            else:
+                _check_optimizer_class(optimizer_class)
+        except (TypeError, ValueError, RuntimeError) as error:
+            self._raise_on_every_rank(error, process_group)
+        if overlap_with_ddp and parameters_as_bucket_view:
+            logger.warning(OVERLAP_BUCKET_VIEW)
+        super().__init__(
+            params, optimizer_class, process_group, partition_rule=Rule.TORCH, **defaults
+        )
+        Joinable.__init__(self)
+
+    def _raise_on_every_rank(self, error: Exception, process_group: Any) -> NoReturn:
+        """Raise ``error`` here and a RuntimeError on the ranks whose params were fine.
+
+        Takes part in the same all_gather the core's constructor makes on the other ranks.
+        """
+        self.group = _dist.resolve_group(process_group)
+        self._initialized = False
+        self._check_same_model(error)
+        raise error  # _check_same_model raised it already; for type checkers
+
+    def _build_sync(self) -> BucketSync:
+        if self._overlap is not None:
+            return OverlapSync(self.group)  # pieces are laid out as DDP's buckets arrive
+        flat = self._flat_params()
+        by_owner = [
+            [flat[i] for indices in self._local_indices(rank) for i in indices]
+            for rank in range(self.world_size)
+        ]
+        if self.parameters_as_bucket_view and not self._overlap_with_ddp:
+            return OrderedBucketSync(by_owner, self.group)
+        return ParamBroadcast(by_owner, self.group)
+
+    # ----------------------------------------------------------------- torch attributes
+    @property
+    def process_group(self) -> Any:
+        """The process group the state is sharded over."""
+        return self.group
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every param of every group, in order (including groups added later)."""
+        return self._flat_params()
+
+    @property
+    def _default_device(self) -> torch.device:
+        return self._flat_params()[0].device
+
+    @property
+    def _param_to_rank(self) -> dict[torch.Tensor, int]:
+        return self.param_to_rank
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        return {p: i for i, p in enumerate(self._flat_params())}
+
+    @property
+    def _index_to_param(self) -> list[torch.Tensor]:
+        return self._flat_params()
+
+    @property
+    def _all_state_dicts(self) -> list[dict[str, Any]]:
+        """After consolidation on this rank: every rank's local state dict, rank by rank."""
+        return self._rank_state_dicts()
+
+    def _partition_parameters(
+        self, params_per_rank: list[list[torch.Tensor]] | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Return, for every rank, its param groups (torch's private helper, read by tests).
+
+        Raises:
+            NotImplementedError: ``params_per_rank`` (a manual partition, used by
+                ``overlap_with_ddp`` only).
+        """
+        if params_per_rank is not None:
+            raise NotImplementedError("a manual partition (params_per_rank) is not supported")
+        return self.partition_parameters()
+
+    # ----------------------------------------------------------------- Joinable
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Return the hook that shadows :meth:`step` on ranks that ran out of inputs.
+
+        Args:
+            kwargs: ignored (torch's hook takes none either).
+        """
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+    # ----------------------------------------------------------------- stepping and state
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+        """Step the local shard and broadcast every shard (see :meth:`oss_plus.OSS.step`).
+
+        Inside ``Join`` it first tells the join context that this rank still has inputs.
+
+        .. warning:: Collective: call on every rank of ``process_group``.
+        """
+        if self._overlap_with_ddp:
+            logger.warning(OVERLAP_STEP)
+            return None
+        Join.notify_join_context(self)
+        return self._step_and_sync(closure, **kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; params already placed keep their owner and state.
+
+        Raises:
+            RuntimeError: ``overlap_with_ddp=True`` (one param group only, as torch).
+
+        .. warning:: Collective: call on every rank of ``process_group`` with the same group.
+        """
+        if self._initialized and self._overlap_with_ddp:
+            raise RuntimeError(OVERLAP_ONE_GROUP)
+        super().add_param_group(param_group)
+
+    # ----------------------------------------------------------------- overlap_with_ddp
+    def _plan(self, keep: bool = False) -> list[list[int]]:
+        if self._overlap is not None:
+            return [list(self._overlap.owners)]
+        return super()._plan(keep)
+
+    def _local_indices(self, rank: int | None = None) -> list[list[int]]:
+        if self._overlap is not None:
+            return [list(self._overlap.local[self.rank if rank is None else rank])]
+        return super()._local_indices(rank)
+
+    def _step_and_sync(
+        self, closure: Callable[[], float] | None = None, **kwargs: Any
+    ) -> float | None:
+        """The step without the join notification (what the join hook shadows with)."""
+        return super().step(closure, **kwargs)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on rank ``to`` of ``process_group``.
+
+        Tensors travel by send/recv; nothing is pickled but metadata. -1 means every rank.
+
+        Raises:
+            ValueError: ``to`` is not -1 or a rank of the group.
+
+        .. warning:: Collective: call on every rank of ``process_group``.
+        """
+        super().consolidate_state_dict(recipient_rank=to)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Return the consolidated state in the plain ``torch.optim`` format (tensors on CPU).
+
+        Raises:
+            RuntimeError: :meth:`consolidate_state_dict` was not called for this rank since
+                the last step.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
+        return super().state_dict()
+

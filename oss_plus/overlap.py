@@ -1,0 +1,367 @@
+"""Overlap the sharded optimizer step with DDP's gradient all-reduce, inside a comm hook.
+
+With plain DDP + :class:`oss_plus.OSS`, ``backward()`` all-reduces the gradients bucket by
+bucket, then ``step()`` updates this rank's shard and broadcasts every shard. Here the step
+moves into DDP's communication hook: as soon as a gradient bucket is reduced, every rank
+steps the params of that bucket it owns and broadcasts them, while DDP is still reducing
+later buckets. The training loop calls no ``step()``::
+
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=pg, lr=1e-3)
+    ddp = DDP(model, process_group=pg)
+    overlap_with_ddp(ddp, opt)
+    for batch in batches:
+        opt.zero_grad()
+        ddp(batch).sum().backward()          # reduces, steps and broadcasts
+
+The optimizer keeps its own partition (no state moves, checkpoints are unchanged) and
+updates from the first iteration: there is no warm-up. With the default reduction hook
+(:func:`ddp_reduce_hook`) results are bit-identical in fp32 to plain DDP + the unsharded
+optimizer (see ``docs/overlap.md``).
+
+Two schedules, as in torch:
+
+* default (``interleaved=False``, torch's ``hook_with_zero_step``): when the last bucket's
+  gradients are computed, wait for each bucket's all-reduce in order, step it, start its
+  broadcasts; then wait for the broadcasts.
+* ``interleaved=True`` (torch's ``hook_with_zero_step_interleaved``): each bucket is stepped
+  as soon as its all-reduce completes (a ``then`` callback), while backward goes on.
+
+Why torch's interleaved hook hangs on gloo, and what is done instead: a gloo future's
+``then`` callbacks run on the process group's worker threads in completion order, which
+differs between ranks, and torch issues the bucket's broadcasts from that callback on the
+same group the autograd thread issues all-reduces on. Each rank then issues its collectives
+in a different order (measured: rank 0 ``broadcast(10050), broadcast(20200)``, rank 1 the
+reverse), and gloo pairs collectives by issue order: a hang. Here callbacks only *compute*
+(the local step); every collective is issued from the hook, i.e. the autograd thread, in
+bucket order: the broadcasts of bucket ``i`` are issued when bucket ``i + 1`` arrives (on
+NCCL, whose futures complete at launch, right away), after its step finished. The order is
+then the same on every rank on any backend, and no extra process group is needed.
+"""
+
+# No ``from __future__ import annotations``: DDP inspects the annotations of the hook it is
+# given (``DDPOverlap.hook``) and accepts only the real objects, not strings.
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from oss_plus._overlap_ddp import (
+    GROUP_MISMATCH,
+    PARAM_NOT_IN_DDP,
+    PARAM_NOT_IN_OPTIMIZER,
+    CommHook,
+    check_pairing,
+    ddp_reduce_hook,
+    grad_views,
+)
+from oss_plus._overlap_layout import Entry, OverlapSync
+from oss_plus._overlap_plan import owner_pieces
+from oss_plus.optimizer import OSS
+
+__all__ = [
+    "GROUP_MISMATCH",
+    "PARAMS_CHANGED",
+    "PARAM_NOT_IN_DDP",
+    "PARAM_NOT_IN_OPTIMIZER",
+    "DDPOverlap",
+    "check_pairing",
+    "ddp_reduce_hook",
+    "overlap_hook",
+    "overlap_with_ddp",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Decides, per bucket, whether the overlapped step is active yet (torch's warm-up).
+Gate = Callable[[DistributedDataParallel, dist.GradBucket], bool]
+#: Plans one DDP bucket: ``(bucket index, params) -> [(owner, positions)]``.
+Planner = Callable[[int, Sequence[torch.Tensor]], list[tuple[int, list[int]]]]
+
+#: Raised at the first bucket of an iteration when params or their trainability changed.
+PARAMS_CHANGED = (
+    "the optimizer's params or their requires_grad changed after the overlapped step was set "
+    "up: DDP's gradient buckets cannot follow such a change; build a new DDP and optimizer"
+)
+
+
+def _copy_hyper(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    for s, d in zip(src, dst):
+        d.update({k: v for k, v in s.items() if k not in ("params", "param_names")})
+
+
+class DDPOverlap:
+    """Runs an optimizer's sharded step inside a DDP communication hook (see module doc).
+
+    Use :func:`overlap_with_ddp` or :func:`overlap_hook`; the torch adapter builds one with
+    torch's warm-up gate and bucket-based partition.
+
+    Args:
+        hook: the communication hook doing the reduction (e.g. ``allreduce_hook``).
+        ddp: the DDP model.
+        optimizer: an :class:`oss_plus.OSS` over the DDP model's params, same ranks.
+        interleaved: step each bucket as soon as it is reduced (else after the last one).
+        planner: who steps what in each bucket (default: the optimizer's own owners).
+        gate: returns False while the step must not run yet (default: always runs).
+        params_changed: message of the RuntimeError raised when params or their
+            trainability changed.
+    """
+
+    def __init__(
+        self,
+        hook: CommHook,
+        ddp: DistributedDataParallel,
+        optimizer: OSS,
+        *,
+        interleaved: bool = False,
+        planner: Planner | None = None,
+        gate: Gate | None = None,
+        params_changed: str = PARAMS_CHANGED,
+    ) -> None:
+        check_pairing(ddp, optimizer)
+        self.inner_hook = hook
+        self.interleaved = interleaved
+        self.optimizer = optimizer
+        self._ddp = weakref.ref(ddp)
+        self._planner = planner or self._by_owner
+        self._gate = gate
+        self._params_changed = params_changed
+        self._snapshot = self._describe()
+        self._owners: list[list[int]] | None = None
+        self._owner_of: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._lag = 0 if dist.get_backend(optimizer.group) == dist.Backend.NCCL else 1
+        self._pending: list[tuple[dist.GradBucket, Entry, torch.futures.Future[Any]]] = []
+        self._stepped: list[tuple[Entry, torch.futures.Future[Any]]] = []
+        self._works: list[Callable[[], None]] = []
+        self._issued = 0
+        self._wire: torch.dtype | None = None
+
+    def _describe(self) -> list[tuple[int, bool]]:
+        return [(id(p), p.requires_grad) for p in self.optimizer._flat_params()]
+
+    # ----------------------------------------------------------------- the hook
+    def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The communication hook to register with ``ddp.register_comm_hook``.
+
+        ``state=None`` stands for DDP's own process group (torch's default hooks would
+        reduce over WORLD, wrong and hanging for DDP over a subgroup).
+
+        .. warning:: Collective: DDP calls it on every rank of the group, bucket by bucket.
+        """
+        ddp = self._ddp()
+        assert ddp is not None, "the DDP model of this hook was deleted"
+        fut = self.inner_hook(ddp.process_group if state is None else state, bucket)
+        if self._gate is not None and not self._gate(ddp, bucket):
+            return fut
+        index = bucket.index()
+        if index == 0:
+            self._begin()
+        entry = self._layout().entry(
+            index, bucket.parameters(), lambda ps: self._planner(index, ps)
+        )
+        if self.interleaved:
+            return self._interleave(bucket, entry, fut)
+        self._pending.append((bucket, entry, fut))
+        if bucket.is_last():
+            self._step_all()
+        return fut
+
+    def _by_owner(self, index: int, params: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
+        """The core's plan: each owner steps its own params of the bucket."""
+        if self._owners is not self.optimizer._owners:
+            self._owners = self.optimizer._owners
+            self._owner_of = {id(p): r for p, r in self.optimizer.param_to_rank.items()}
+        return owner_pieces([self._owner_of.get(id(p)) for p in params])
+
+    def _layout(self) -> OverlapSync:
+        sync = self.optimizer._sync
+        if isinstance(sync, OverlapSync):
+            return sync
+        sync.release()
+        layout = OverlapSync(self.optimizer.group)
+        self.optimizer._sync = layout
+        return layout
+
+    def _begin(self) -> None:
+        """First bucket of an iteration: checks, fresh per-iteration state, hyperparams in."""
+        opt = self.optimizer
+        if self._describe() != self._snapshot:
+            raise RuntimeError(self._params_changed)
+        moved = self._owners is not None and self._owners is not opt._owners
+        sync = opt._sync
+        if not isinstance(sync, OverlapSync) or not sync.is_intact() or moved:
+            sync.release()
+            opt._sync = OverlapSync(opt.group)
+        opt._consolidated = None
+        self._pending, self._stepped, self._works, self._issued = [], [], [], 0
+        self._wire = opt.wire_dtype
+        _copy_hyper(opt.param_groups, opt.optim.param_groups)
+
+    def _end(self) -> None:
+        """After the last bucket: wait for the broadcasts, hyperparams out."""
+        opt = self.optimizer
+        with torch.profiler.record_function("oss_plus::overlap.wait"):
+            for finish in self._works:
+                finish()
+        _copy_hyper(opt.optim.param_groups, opt.param_groups)
+        self._pending, self._stepped, self._works, self._issued = [], [], [], 0
+
+    # ----------------------------------------------------------------- the two schedules
+    def _step_all(self) -> None:
+        """torch's ``hook_with_zero_step``: in bucket order, wait, step, start broadcasts."""
+        for bucket, entry, fut in self._pending:
+            value = fut.wait()
+            self._step(entry, bucket, value)
+            self._broadcast(entry)
+        self._end()
+
+    def _broadcast(self, entry: Entry) -> None:
+        self._works += self._layout().broadcast(entry, self._wire)
+
+    def _interleave(
+        self, bucket: dist.GradBucket, entry: Entry, fut: torch.futures.Future[Any]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Step in a ``then`` callback; issue broadcasts from here, in bucket order."""
+        stepped = fut
+        if entry.owned:
+            stepped = fut.then(functools.partial(_step_done, weakref.ref(self), entry, bucket))
+        self._stepped.append((entry, stepped))
+        self._issue(len(self._stepped) - self._lag)
+        if bucket.is_last():
+            self._issue(len(self._stepped))
+            self._end()
+        return stepped
+
+    def _issue(self, upto: int) -> None:
+        while self._issued < upto:
+            entry, stepped = self._stepped[self._issued]
+            stepped.wait()
+            self._broadcast(entry)
+            self._issued += 1
+
+    # ----------------------------------------------------------------- the local step
+    def _step(self, entry: Entry, bucket: dist.GradBucket, value: Any) -> None:
+        """Step the params of ``entry`` this rank owns with the reduced gradients.
+
+        The inner optimizer sees only those params (its groups are narrowed for the call)
+        and their ``.grad`` temporarily point at the reduced values; both are restored.
+        """
+        if not entry.owned:
+            return
+        grads = grad_views(bucket, value)
+        with self._lock, torch.profiler.record_function("oss_plus::overlap.step"):
+            inner = self.optimizer.optim
+            narrowed = entry.groups_for(inner)
+            saved = [g["params"] for g in inner.param_groups]
+            previous = [p.grad for p in entry.owned]
+            try:
+                for group, params in zip(inner.param_groups, narrowed):
+                    group["params"] = params
+                for p, position in zip(entry.owned, entry.positions):
+                    p.grad = grads[position]
+                inner.step()
+            finally:
+                for group, params in zip(inner.param_groups, saved):
+                    group["params"] = params
+                for p, grad in zip(entry.owned, previous):
+                    p.grad = grad
+
+
+def _step_done(
+    engine: "weakref.ReferenceType[DDPOverlap]",
+    entry: Entry,
+    bucket: dist.GradBucket,
+    fut: torch.futures.Future[Any],
+) -> Any:
+    """The ``then`` callback of the interleaved schedule: step, pass the reduced value on.
+
+    It holds the engine weakly: gloo destroys callbacks on its worker thread, which must
+    never drop the last reference to the optimizer (and so to its process group, whose
+    destructor joins that very thread: ``std::system_error: Resource deadlock avoided``).
+    """
+    value = fut.value()
+    owner = engine()
+    if owner is not None:
+        owner._step(entry, bucket, value)
+    return value
+
+
+def overlap_hook(
+    hook: CommHook,
+    ddp: DistributedDataParallel,
+    optimizer: OSS,
+    *,
+    interleaved: bool = False,
+) -> CommHook:
+    """Return ``hook`` extended with ``optimizer``'s sharded step, for ``register_comm_hook``.
+
+    Args:
+        hook: the reduction hook, e.g. :func:`ddp_reduce_hook` (DDP's own averaging),
+            ``allreduce_hook`` or ``bf16_compress_hook``.
+        ddp: the DDP model (over the same ranks as ``optimizer.group``).
+        optimizer: an :class:`oss_plus.OSS` holding every trainable param of ``ddp``.
+        interleaved: step each bucket as soon as it is reduced (else after the last one).
+
+    Returns:
+        The hook; pass it to ``ddp.register_comm_hook(state, hook)`` (``state=None`` means
+        DDP's process group). Then never call ``optimizer.step()``.
+
+    Raises:
+        TypeError: ``optimizer`` is not an OSS.
+        ValueError: different ranks or params in ``ddp`` and ``optimizer``.
+
+    Example:
+        >>> ddp.register_comm_hook(None, overlap_hook(ddp_reduce_hook, ddp, opt))  # doctest: +SKIP
+
+    .. warning:: Collective: the hook runs on every rank of the group inside ``backward()``.
+    """
+    return DDPOverlap(hook, ddp, optimizer, interleaved=interleaved).hook
+
+
+def overlap_with_ddp(
+    ddp: DistributedDataParallel,
+    optimizer: OSS,
+    hook: CommHook = ddp_reduce_hook,
+    state: Any = None,
+    *,
+    interleaved: bool = False,
+) -> DDPOverlap:
+    """Move ``optimizer``'s step into ``ddp``'s backward: register the overlapping hook.
+
+    After this call every ``backward()`` through ``ddp`` reduces the gradients, steps the
+    shard of each bucket as soon as it is reduced and broadcasts it; the loop calls no
+    ``step()``. Hyperparameter changes (LR schedulers) apply from the next backward. Zero the
+    gradients every iteration as usual. DDP allows one comm hook: call this once.
+
+    Args:
+        ddp: the DDP model (over the same ranks as ``optimizer.group``).
+        optimizer: an :class:`oss_plus.OSS` holding every trainable param of ``ddp``.
+        hook: the reduction hook (default :func:`ddp_reduce_hook`: exactly what DDP does
+            without a hook, so results equal plain DDP + ``optimizer.step()``).
+        state: the hook's state (default: DDP's process group).
+        interleaved: step each bucket as soon as it is reduced (else after the last one).
+
+    Returns:
+        The :class:`DDPOverlap` driving the hook.
+
+    Raises:
+        TypeError: ``optimizer`` is not an OSS.
+        ValueError: different ranks or params in ``ddp`` and ``optimizer``.
+        RuntimeError: ``ddp`` already has a comm hook (raised by DDP).
+
+    Example:
+        >>> opt = OSS(ddp.parameters(), optim=AdamW, group=pg, lr=1e-3)  # doctest: +SKIP
+        >>> overlap_with_ddp(ddp, opt)  # doctest: +SKIP
+        >>> opt.zero_grad(); ddp(x).sum().backward()  # doctest: +SKIP
+
+    .. warning:: Collective: call on every rank of the group; every backward is collective.
+    """
+    engine = DDPOverlap(hook, ddp, optimizer, interleaved=interleaved)
+    ddp.register_comm_hook(ddp.process_group if state is None else state, engine.hook)
+    return engine

@@ -1,0 +1,245 @@
+"""oss_plus.compat.torch.ZeroRedundancyOptimizer on its own.
+
+The comparison with torch's class is in compat/test_torch_diff.py.
+"""
+
+import copy
+
+import pytest
+import torch
+from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, make_model, train
+from torch.distributed.algorithms.join import Join, Joinable
+
+from oss_plus import OSS
+from oss_plus.compat.torch import (
+    NOT_CONSOLIDATED,
+    PARAMS_EMPTY,
+    ZeroRedundancyOptimizer,
+)
+
+
+def catch(fn, *args, **kwargs):
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return (type(exc).__name__, str(exc))
+
+
+def test_is_built_on_the_core_and_joinable_not_on_torchs_class():
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    assert issubclass(ZeroRedundancyOptimizer, OSS)
+    assert issubclass(ZeroRedundancyOptimizer, Joinable)
+    assert not issubclass(ZeroRedundancyOptimizer, TorchZero)
+
+
+# ------------------------------------------------------------------ construction
+def overlap_task(ctx):
+    return catch(
+        ZeroRedundancyOptimizer,
+        make_model().parameters(),
+        torch.optim.SGD,
+        process_group=ctx.group,
+        overlap_with_ddp=True,
+        lr=0.1,
+    )
+
+
+def test_overlap_with_ddp_constructs(pool):
+    """Delivered by issue 8: the hooks are tested in compat/test_overlap_diff.py."""
+    for result in pool.run(overlap_task, world_size=2):
+        assert result[0] == "ok"
+
+
+def one_bad_rank_task(ctx):
+    params = [] if ctx.rank == 1 else list(make_model().parameters())
+    return catch(ZeroRedundancyOptimizer, params, torch.optim.SGD, process_group=ctx.group, lr=0.1)
+
+
+def test_bad_params_on_one_rank_raise_on_every_rank(pool):
+    results = pool.run(one_bad_rank_task, world_size=3, timeout=30)
+    assert results[1] == ("ValueError", PARAMS_EMPTY)
+    assert results[0][0] == results[2][0] == "RuntimeError" and "[1]" in results[0][1]
+
+
+# ------------------------------------------------------------------ training and layout
+def parity_task(ctx, bucket_view):
+    model = make_model()
+    ref_model = clone_model(model)
+    storage = [p.data_ptr() for p in model.parameters()]
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        torch.optim.Adam,
+        process_group=ctx.group,
+        parameters_as_bucket_view=bucket_view,
+        lr=0.01,
+    )
+    untouched = storage == [p.data_ptr() for p in model.parameters()]
+    train(model, opt, 3)
+    train(ref_model, torch.optim.Adam(ref_model.parameters(), lr=0.01), 3)
+    views = []
+    for bucket in opt.sync_buckets.buckets:
+        start = bucket.buffer.data_ptr()
+        views.append([((p.data_ptr() - start) // 4, p.numel()) for p in bucket.params])
+    return untouched, flat_params(model), flat_params(ref_model), views
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_per_param_mode_is_bit_exact_and_keeps_param_storage(pool, world):
+    results = pool.run(parity_task, False, **world)
+    for untouched, params, ref, _ in results:
+        assert untouched and torch.equal(params, ref)
+        assert torch.equal(params, results[0][1])
+
+
+def test_bucket_views_pack_params_back_to_back_largest_first(pool):
+    results = pool.run(parity_task, True, world_size=2)
+    for untouched, params, ref, views in results:
+        assert not untouched
+        assert torch.allclose(params, ref, rtol=0, atol=1e-6)  # unaligned views, as torch
+        assert torch.equal(params, results[0][1])
+        for members in views:
+            offsets, sizes = zip(*members)
+            assert list(sizes) == sorted(sizes, reverse=True)
+            assert list(offsets) == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def join_task(ctx):
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
+    )
+    with Join([opt]):
+        for step in range(1 + ctx.rank):  # uneven inputs, no DDP
+            opt.zero_grad()
+            backward(model, step)
+            opt.step()
+    hook = opt.join_hook()
+    return (
+        flat_params(model),
+        opt.join_device,
+        opt.join_process_group is ctx.group,
+        type(hook).__name__,
+    )
+
+
+def test_join_with_uneven_inputs_does_not_hang(pool):
+    results = pool.run(join_task, world_size=3, timeout=30)
+    for params, device, same_group, hook in results:
+        assert torch.equal(params, results[0][0])
+        assert device == torch.device("cpu") and same_group and hook == "_ZeroJoinHook"
+
+
+# ------------------------------------------------------------------ groups and trainability
+def added_frozen_task(ctx):
+    model = make_model()
+    extra = torch.nn.Linear(6, 6)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        torch.optim.SGD,
+        process_group=ctx.group,
+        parameters_as_bucket_view=True,
+        lr=0.1,
+    )
+    inner = opt.optim
+    extra.requires_grad_(False)
+    opt.add_param_group({"params": list(extra.parameters())})
+    extra.requires_grad_(True)
+    for step in range(2):
+        opt.zero_grad()
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
+        model(extra(x)).sum().backward()
+        opt.step()
+    return flat_params(extra), len(opt._all_params), opt.optim is inner
+
+
+def test_group_added_frozen_then_unfrozen_is_broadcast(pool):
+    """torch #1: the new params' trainability is tracked; the replicas stay identical."""
+    results = pool.run(added_frozen_task, world_size=2)
+    for extra, count, kept in results:
+        assert torch.equal(extra, results[0][0])
+        assert count == 8 + 2 and kept
+
+
+# ------------------------------------------------------------------ state dicts
+def state_task(ctx, sd):
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, process_group=ctx.group, lr=0.01, fused=True
+    )
+    pristine = copy.deepcopy(sd)
+    opt.load_state_dict(sd)
+    train(model, opt, 1)
+    unchanged = all(
+        torch.equal(pristine["state"][i][k], sd["state"][i][k])
+        for i in sd["state"]
+        for k in sd["state"][i]
+    )
+    no_none = not any(v is None for v in opt.state.values())
+    fused_step = {s["step"].device.type for s in opt.optim.state.values()}
+    opt.consolidate_state_dict(to=1)
+    mine = catch(opt.state_dict)
+    local = opt._all_state_dicts
+    bad_to = catch(opt.consolidate_state_dict, to=ctx.world_size)[0]
+    return unchanged, no_none, fused_step, mine, local, bad_to
+
+
+def test_state_dict_round_trip_with_fused_adamw(pool):
+    """torch #2: the caller's dict is not mutated, no None in .state; torch #3: a fused AdamW
+    state reloads (0-dim step kept where the fused kernel wants it)."""
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    train(model, ref, 2)
+    results = pool.run(state_task, ref.state_dict(), world_size=3)
+    for rank, (unchanged, no_none, fused_step, mine, local, bad_to) in enumerate(results):
+        assert unchanged and no_none and fused_step == {"cpu"}
+        assert bad_to == "ValueError"
+        if rank != 1:
+            assert mine == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank)) and local == []
+            continue
+        sd = mine[1]
+        assert len(local) == 3 and sorted(sd["state"]) == list(range(8))
+        assert sum(len(s["state"]) for s in local) == 8
+        assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values())
+
+
+def trainability_task(ctx):
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
+    )
+    inner = opt.optim
+    owners = [opt._param_to_rank[p] for p in model.parameters()]
+    train(model, opt, 1)
+    model[0].requires_grad_(False)
+    train(model, opt, 1, start=1)
+    same_owners = owners == [opt._param_to_rank[p] for p in model.parameters()]
+    return opt.optim is inner, same_owners, flat_params(model)
+
+
+def test_freezing_keeps_the_partition_and_the_local_optimizer(pool):
+    results = pool.run(trainability_task, world_size=2)
+    for kept, same_owners, params in results:
+        assert kept and same_owners and torch.equal(params, results[0][2])
+
+
+def mixed_dtype_task(ctx):
+    torch.manual_seed(0)
+    values = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    refs = [torch.nn.Parameter(v.clone()) for v in values]
+    opt = ZeroRedundancyOptimizer(
+        params, torch.optim.Adam, process_group=ctx.group, parameters_as_bucket_view=True, lr=0.1
+    )
+    ref = torch.optim.Adam(refs, lr=0.1)
+    for _ in range(3):
+        for ps, o in ((params, opt), (refs, ref)):
+            o.zero_grad()
+            sum((p.double() ** 2).sum() for p in ps).backward()
+            o.step()
+    return all(torch.equal(a, b) for a, b in zip(params, refs))
+
+
+def test_mixed_dtypes_are_supported(pool):
+    """torch #5: torch raises ValueError for mixed dtypes."""
+    assert all(pool.run(mixed_dtype_task, world_size=2))
