@@ -103,7 +103,8 @@ def parity_task(ctx, clip, steps=6):
             if clip:
                 s.unscale_(o)
                 norms.append(
-                    o.clip_grad_norm(0.2) if o is opt
+                    o.clip_grad_norm(0.2)
+                    if o is opt
                     else torch.nn.utils.clip_grad_norm_(m.parameters(), 0.2)
                 )
             s.step(o)

@@ -118,11 +118,17 @@ def parity_task(ctx, max_norm):
             opt.step()
             ref.step()
         diff = (flat_params(model) - flat_params(ref_model)).abs().max().item()
-        out.append({
-            "p": p, "totals": torch.stack(totals), "ref": torch.stack(ref_totals),
-            "clipped_ok": clipped_ok, "untouched_ok": untouched_ok, "param_diff": diff,
-            "params": flat_params(model),
-        })
+        out.append(
+            {
+                "p": p,
+                "totals": torch.stack(totals),
+                "ref": torch.stack(ref_totals),
+                "clipped_ok": clipped_ok,
+                "untouched_ok": untouched_ok,
+                "param_diff": diff,
+                "params": flat_params(model),
+            }
+        )
     return out
 
 
@@ -174,8 +180,10 @@ def ddp_task(ctx):
     totals, ref_totals = [], []
     for step in range(3):
         x = batch(10 * step + ctx.rank)
-        for m, o, t, clip in ((model, opt, totals, opt.clip_grad_norm),
-                              (ref_model, ref, ref_totals, None)):
+        for m, o, t, clip in (
+            (model, opt, totals, opt.clip_grad_norm),
+            (ref_model, ref, ref_totals, None),
+        ):
             o.zero_grad()
             m(x).pow(2).mean().backward()
             if clip is None:
@@ -277,7 +285,8 @@ def filter_task(ctx):
     coef = 0.01 / (expected + 1e-6)
     scaled = all(
         torch.allclose(p.grad, q.grad * coef, rtol=1e-6)
-        for p, q, own in zip(model.parameters(), ref_model.parameters(), owned_mask(opt)) if own
+        for p, q, own in zip(model.parameters(), ref_model.parameters(), owned_mask(opt))
+        if own
     )
     return total, expected, scaled, seen[0], sum(owned_mask(opt))
 

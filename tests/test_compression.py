@@ -154,7 +154,8 @@ def test_replicas_hold_the_owners_values_rounded_to_the_wire(pool, world, wire):
                 assert torch.equal(p, expected), (rank, step, i)
     rounded = [
         not torch.equal(r[1][-1][i], results[owners[i]][1][-1][i])
-        for r in results for i in range(len(owners))
+        for r in results
+        for i in range(len(owners))
     ]
     assert any(rounded), "nothing was rounded: the wire was not compressed"
 
@@ -232,8 +233,14 @@ def test_bf16_params_stay_bf16_and_travel_uncompressed(pool, wire):
 
 def mixed_task(ctx, wire):
     torch.manual_seed(0)
-    specs = [(40, torch.float32), (33, torch.bfloat16), (20, torch.float64), (17, torch.float32),
-             (9, torch.bfloat16), (5, torch.float16)]
+    specs = [
+        (40, torch.float32),
+        (33, torch.bfloat16),
+        (20, torch.float64),
+        (17, torch.float32),
+        (9, torch.bfloat16),
+        (5, torch.float16),
+    ]
     params = [torch.nn.Parameter((torch.rand(n) + 0.5).to(dt)) for n, dt in specs]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     with transport("broadcast"):
@@ -251,9 +258,12 @@ def mixed_task(ctx, wire):
     for b in opt.sync_buckets.buckets:
         by_dtype[b.buffer.dtype] = by_dtype.get(b.buffer.dtype, 0) + b.buffer.numel()
     return {
-        "owned": owned, "params": [p.detach().clone() for p in params],
-        "ref": [p.detach().clone() for p in ref], "sent": sum(b for _, b in seen) // 3,
-        "wire_bytes": opt.sync_buckets.wire_bytes(WIRES[wire]), "numel": by_dtype,
+        "owned": owned,
+        "params": [p.detach().clone() for p in params],
+        "ref": [p.detach().clone() for p in ref],
+        "sent": sum(b for _, b in seen) // 3,
+        "wire_bytes": opt.sync_buckets.wire_bytes(WIRES[wire]),
+        "numel": by_dtype,
         "wire_dtypes": {d for d, _ in seen},
     }
 

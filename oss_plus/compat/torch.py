@@ -43,8 +43,7 @@ logger = logging.getLogger(__name__)
 
 #: torch's messages for what ``overlap_with_ddp=True`` does not support.
 OVERLAP_ONE_GROUP = (
-    "ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter "
-    "group"
+    "ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group"
 )
 OVERLAP_STEP = "`step()` should not be included in the training loop when `overlap_with_ddp=True`"
 OVERLAP_BUCKET_VIEW = (
@@ -394,4 +393,3 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         if self._consolidated is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         return super().state_dict()
-
