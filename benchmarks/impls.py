@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from oss_plus import OSS
+from oss_plus.demo import state_bytes
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 from oss_plus.sync import TRANSPORT_ENV
 
@@ -63,16 +64,6 @@ class Impl:
         if self.needs and importlib.util.find_spec(self.needs) is None:
             return f"{self.needs} is not installed (pip install oss_plus[{self.needs}])"
         return None
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Return the bytes of the tensors in an optimizer's state."""
-    return sum(
-        v.numel() * v.element_size()
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
 
 
 def _torch_clip(params: list[torch.nn.Parameter]) -> Callable[[float], Any]:

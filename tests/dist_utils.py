@@ -76,3 +76,14 @@ def state_equal(a: dict, b: dict) -> bool:
             elif x != y:
                 return False
     return True
+
+
+def catch(fn, *args, **kwargs):
+    """Run fn and return (exception type name, message) or ('ok', result).
+
+    Lets a pool task return an error as data, so a test can assert that every rank raised.
+    """
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return (type(exc).__name__, str(exc))

@@ -2,21 +2,13 @@
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS, batch, clone_model, flat_params, make_model
+from dist_utils import WORLD_IDS, WORLDS, batch, catch, clone_model, flat_params, make_model
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler
 from oss_plus._dist import PEER_FAILED
 
 INF_STEPS = (1, 3)
-
-
-def catch(fn, *args, **kwargs):
-    """Run fn and return (exception type name, message) or ('ok', result)."""
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 def scaled_backward(model, scaler, x):

@@ -18,20 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import WORLD_IDS, WORLDS, make_model, params_equal, train
+from dist_utils import WORLD_IDS, WORLDS, catch, make_model, params_equal, train
 from safetensors.torch import load_file, save_file
 
 from oss_plus import OSS, _ckpt_io, _ckpt_read, load_checkpoint, save_checkpoint
 from oss_plus.checkpoint import read_state_dict
 
-
 # ------------------------------------------------------------------ shared helpers
-def catch(fn, *args, **kwargs):
-    """Run fn and return (exception type name, message) or ('ok', result)."""
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 def diff(a: Any, b: Any, where: str = "sd") -> str | None:

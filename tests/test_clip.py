@@ -5,21 +5,22 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import WORLD_IDS, WORLDS, backward, batch, clone_model, flat_params, make_model
+from dist_utils import (
+    WORLD_IDS,
+    WORLDS,
+    backward,
+    batch,
+    catch,
+    clone_model,
+    flat_params,
+    make_model,
+)
 
 from oss_plus import OSS
 from oss_plus.clip import BAD_MAX_NORM, BAD_NORM_TYPE, NONFINITE, local_partial
 
 INF = math.inf
 NORM_TYPES = [1.0, 2.0, 3.0, 0.5, INF]
-
-
-def catch(fn, *args, **kwargs):
-    """Run fn and return (exception type name, message) or ('ok', result)."""
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 def exact_norm(grads, p):

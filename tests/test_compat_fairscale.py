@@ -9,18 +9,20 @@ import math
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, make_model, train
+from dist_utils import (
+    WORLD_IDS,
+    WORLDS,
+    backward,
+    catch,
+    clone_model,
+    flat_params,
+    make_model,
+    train,
+)
 
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat.fairscale import ALL_STATES_READ_ONLY, OSS
 from oss_plus.optimizer import NOT_CONSOLIDATED
-
-
-def catch(fn, *args, **kwargs):
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 def test_constructor_signature_is_fairscale_0_4_13s():

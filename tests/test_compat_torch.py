@@ -7,7 +7,16 @@ import copy
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, make_model, train
+from dist_utils import (
+    WORLD_IDS,
+    WORLDS,
+    backward,
+    catch,
+    clone_model,
+    flat_params,
+    make_model,
+    train,
+)
 from torch.distributed.algorithms.join import Join, Joinable
 
 from oss_plus import OSS
@@ -16,13 +25,6 @@ from oss_plus.compat.torch import (
     PARAMS_EMPTY,
     ZeroRedundancyOptimizer,
 )
-
-
-def catch(fn, *args, **kwargs):
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 def test_is_built_on_the_core_and_joinable_not_on_torchs_class():

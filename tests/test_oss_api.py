@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import (
     backward,
+    catch,
     clone_model,
     flat_params,
     make_model,
@@ -17,14 +18,6 @@ from dist_utils import (
 
 from oss_plus import OSS
 from oss_plus.optimizer import NOT_CONSOLIDATED
-
-
-def catch(fn, *args, **kwargs):
-    """Run fn and return (exception type name, message) or ('ok', result)."""
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 # ------------------------------------------------------------------ inputs and stepping

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import catch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -356,11 +357,6 @@ def test_state_dict_and_checkpoint(pool, tmp_path, opt_name):
 
 
 # ------------------------------------------------------------------ errors and warnings
-def catch(fn, *args, **kwargs):
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return (type(exc).__name__, str(exc))
 
 
 def pairing_task(ctx):
