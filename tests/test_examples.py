@@ -74,3 +74,27 @@ def test_cli_help_lists_every_subcommand():
     out = run(["-m", "oss_plus", "--help"])
     for name in ("demo", "bench", "ckpt"):
         assert name in out
+
+
+def python_blocks(markdown: Path) -> list[str]:
+    """The ```python code blocks of a markdown file, in order."""
+    blocks, current = [], None
+    for line in markdown.read_text().splitlines():
+        if current is None and line.strip() == "```python":
+            current = []
+        elif current is not None and line.strip() == "```":
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_quickstart_code_runs_under_torchrun(tmp_path):
+    train, save = python_blocks(ROOT / "docs" / "quickstart.md")[:2]
+    script = tmp_path / "quickstart.py"
+    check = "n = len(state['state']) if dist.get_rank() == 0 else ''\n"
+    check += "print('quickstart ok', dist.get_rank(), n)\n"
+    script.write_text(f"{train}\n{save}\n{check}")
+    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
+    assert "quickstart ok 0 2" in out and "quickstart ok 1" in out
