@@ -14,7 +14,6 @@ DDP rebuilds its buckets: the params of a changed bucket leave their old pieces 
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import global_rank
-from oss_plus.sync import Bucket, BucketSync, wire_dtype_for
+from oss_plus.sync import Bucket, BucketSync
 
 __all__ = ["Entry", "OverlapSync", "make_entry"]
 
@@ -165,23 +163,7 @@ class OverlapSync(BucketSync):
 
         .. warning:: Collective: call on every rank of ``group``, bucket by bucket in order.
         """
-        pending: list[Callable[[], None]] = []
-        for piece in entry.pieces:
-            dtype = wire_dtype_for(piece.buffer.dtype, wire)
-            tensor = piece.buffer if dtype is None else piece.wire_buffer(dtype)
-            if dtype is not None and piece.owner == self.rank:
-                tensor.copy_(piece.buffer)
-            src = global_rank(self.group, piece.owner)
-            work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-            pending.append(functools.partial(self._finish, work, piece, tensor, dtype))
-        return pending
-
-    def _finish(
-        self, work: Any, piece: Bucket, tensor: torch.Tensor, dtype: torch.dtype | None
-    ) -> None:
-        work.wait()
-        if dtype is not None and piece.owner != self.rank:
-            piece.buffer.copy_(tensor)
+        return [self._broadcast_bucket(piece, wire) for piece in entry.pieces]
 
     def sync(self, wire: torch.dtype | None = None) -> None:
         """Broadcast every piece (what ``OSS.step()`` calls); warns once, see

@@ -259,18 +259,22 @@ class BucketSync:
             g.flat[end:].copy_(out[end:])
 
     def _start_broadcasts(self, wire: torch.dtype | None) -> list[Callable[[], None]]:
-        pending: list[Callable[[], None]] = []
-        for bucket in self.buckets:
-            if bucket.via is not Transport.BROADCAST:
-                continue
-            dtype = wire_dtype_for(bucket.buffer.dtype, wire)
-            tensor = bucket.buffer if dtype is None else bucket.wire_buffer(dtype)
-            if dtype is not None and bucket.owner == self.rank:
-                tensor.copy_(bucket.buffer)
-            src = global_rank(self.group, bucket.owner)
-            work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-            pending.append(functools.partial(self._finish_broadcast, work, bucket, tensor, dtype))
-        return pending
+        return [
+            self._broadcast_bucket(bucket, wire)
+            for bucket in self.buckets
+            if bucket.via is Transport.BROADCAST
+        ]
+
+    def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None) -> Callable[[], None]:
+        """Start the async broadcast of ``bucket`` from its owner (through a compressed copy
+        when ``wire`` narrows it); return the callable that waits and widens."""
+        dtype = wire_dtype_for(bucket.buffer.dtype, wire)
+        tensor = bucket.buffer if dtype is None else bucket.wire_buffer(dtype)
+        if dtype is not None and bucket.owner == self.rank:
+            tensor.copy_(bucket.buffer)
+        src = global_rank(self.group, bucket.owner)
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        return functools.partial(self._finish_broadcast, work, bucket, tensor, dtype)
 
     def _finish_broadcast(
         self, work: Any, bucket: Bucket, tensor: torch.Tensor, dtype: torch.dtype | None
