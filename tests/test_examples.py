@@ -93,8 +93,9 @@ def python_blocks(markdown: Path) -> list[str]:
 def test_quickstart_code_runs_under_torchrun(tmp_path):
     train, save = python_blocks(ROOT / "docs" / "quickstart.md")[:2]
     script = tmp_path / "quickstart.py"
-    check = "n = len(state['state']) if dist.get_rank() == 0 else ''\n"
-    check += "print('quickstart ok', dist.get_rank(), n)\n"
+    check = "import sys\nn = len(state['state']) if dist.get_rank() == 0 else ''\n"
+    # one write per rank: two ranks share the pipe, print() writes its pieces separately
+    check += "sys.stdout.write(f'quickstart ok {dist.get_rank()} {n}\\n'); sys.stdout.flush()\n"
     script.write_text(f"{train}\n{save}\n{check}")
     out = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
     assert "quickstart ok 0 2" in out and "quickstart ok 1" in out
