@@ -1,0 +1,258 @@
+"""Run every ```python block of docs/migration.md, docs/overlap.md and docs/checkpoints.md.
+
+Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
+is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
+execs the page's blocks in order in one namespace and, after each block, runs that block's
+check from ``CHECKS``, which asserts what the block produced (the class it built, identical
+replicas, printed losses equal to a reference, checkpoint files and their contents). A failed
+check exits non-zero and fails the test.
+
+docs/quickstart.md and docs/amp.md are run by tests/test_examples.py and tests/test_amp.py;
+``test_every_python_block_in_docs_is_run`` makes sure no page's blocks escape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import flat_params, state_equal
+from test_examples import python_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+#: Pages whose python blocks other tests run, with their block counts.
+RUN_ELSEWHERE = {"quickstart.md": 2, "amp.md": 1}  # test_examples.py, test_amp.py
+#: Seconds a rank may run a page before it exits with its stack (so a hang fails the test).
+RANK_TIMEOUT = 120
+#: Values the checks of a page pass to the checks of later blocks.
+memo: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------ helpers used on the ranks
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def same_on_every_rank(tensor: torch.Tensor) -> bool:
+    copies = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, tensor)
+    return all(torch.equal(c, tensor) for c in copies)
+
+
+def reference_losses(optim: Any, steps: int, skip: int = 0, lr_lambda: Any = None) -> str:
+    """What the overlap recipe prints, computed in one process with the unsharded optimizer.
+
+    Both ranks draw the same batches (same seed), so DDP's average is the gradient itself.
+    The first ``skip`` iterations do not step (torch's warm-up).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    opt = optim(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
+    lines = []
+    for step in range(steps):
+        x = torch.randn(32, 64)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if step >= skip:
+            opt.step()
+        if sched is not None:
+            sched.step()
+        lines.append(f"{step} {loss.item()}\n")
+    return "".join(lines)
+
+
+# ------------------------------------------------------------------ docs/migration.md
+def check_setup(ns: dict, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert dist.get_world_size() == 2 and isinstance(ns["ddp"], DistributedDataParallel)
+    memo["initial"] = flat_params(ns["model"])
+
+
+def check_fairscale_before(ns: dict, out: str) -> None:
+    import fairscale.optim.oss
+
+    assert type(ns["opt"]) is fairscale.optim.oss.OSS  # the real class, before install()
+
+
+def check_fairscale_after(ns: dict, out: str) -> None:
+    import oss_plus.compat.fairscale
+
+    adapter = oss_plus.compat.fairscale.OSS
+    assert ns["OSS"] is adapter and type(ns["opt"]) is adapter, ns["OSS"]
+    ns["opt"].zero_grad()
+    ns["ddp"](torch.randn(8, 16)).sum().backward()
+    ns["opt"].step()  # the adapter trains: replicas updated and identical
+    params = flat_params(ns["model"])
+    assert same_on_every_rank(params) and not torch.equal(params, memo["initial"])
+
+
+def check_scaler(ns: dict, out: str) -> None:
+    import oss_plus
+
+    assert type(ns["scaler"]) is oss_plus.ShardedGradScaler
+
+
+def check_zero_before(ns: dict, out: str) -> None:
+    import torch.distributed.optim
+
+    assert type(ns["opt"]) is torch.distributed.optim.ZeroRedundancyOptimizer
+
+
+def check_zero_after(ns: dict, out: str) -> None:
+    import oss_plus.compat.torch
+
+    assert type(ns["opt"]) is oss_plus.compat.torch.ZeroRedundancyOptimizer
+    memo["before_join"] = flat_params(ns["model"])
+
+
+def check_join(ns: dict, out: str) -> None:
+    assert len(ns["my_batches"]) == 2 + rank()  # uneven inputs
+    params = flat_params(ns["model"])
+    assert same_on_every_rank(params) and not torch.equal(params, memo["before_join"])
+
+
+def check_pt(ns: dict, out: str) -> None:
+    opt, sd = ns["opt"], ns["sd"]
+    assert Path("optim.pt").is_file() and len(sd["state"]) == 2  # weight and bias
+    opt.consolidate_state_dict(0)
+    if rank() == 0:
+        assert state_equal(opt.state_dict(), sd)  # loaded exactly what was saved
+
+
+def check_checkpoint_migration(ns: dict, out: str) -> None:
+    from oss_plus.checkpoint import read_state_dict
+
+    sd = ns["sd"]
+    assert Path("ckpt/migrated/index.json").is_file()
+    assert len(list(Path("ckpt/step_1000").glob("shard-*.safetensors"))) == 2
+    assert state_equal(read_state_dict("ckpt/migrated"), sd)
+    assert state_equal(read_state_dict("ckpt/step_1000"), sd)  # loaded, then saved unchanged
+    assert state_equal(ns["legacy_opt"].state_dict(), sd)
+
+
+# ------------------------------------------------------------------ docs/overlap.md
+def check_overlap_recipe(ns: dict, out: str) -> None:
+    # bit-identical to the unsharded optimizer, as the page says; only rank 0 prints
+    expected = reference_losses(torch.optim.AdamW, 10, lr_lambda=lambda step: 0.9**step)
+    assert out == (expected if rank() == 0 else ""), f"printed:\n{out}expected:\n{expected}"
+
+
+def check_overlap_torch(ns: dict, out: str) -> None:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ns["train"](steps=4)  # the block replaces the recipe's train(): run it
+    out = printed.getvalue()
+    expected = reference_losses(torch.optim.Adam, 4, skip=2)  # torch's 2 warm-up iterations
+    assert out == (expected if rank() == 0 else ""), f"printed:\n{out}expected:\n{expected}"
+
+
+# ------------------------------------------------------------------ docs/checkpoints.md
+def check_checkpoint_api(ns: dict, out: str) -> None:
+    from oss_plus.checkpoint import read_state_dict
+
+    opt, sd = ns["opt"], ns["sd"]
+    dist.barrier()  # rank 0 converted old.pt
+    assert len(list(Path("ckpt/step_1000").glob("shard-*.safetensors"))) == 2
+    assert len(list(Path("ckpt/final").glob("state.*.safetensors"))) == 1
+    opt.consolidate_state_dict(-1)
+    assert len(sd["state"]) == 2 and state_equal(opt.state_dict(all_ranks=True), sd)
+    assert state_equal(read_state_dict("ckpt/final"), sd)
+    assert state_equal(read_state_dict("ckpt/migrated"), sd)
+
+
+Check = Callable[[dict, str], None]
+#: One check per python block of each page, in order.
+CHECKS: dict[str, list[Check]] = {
+    "migration.md": [
+        check_setup,
+        check_fairscale_before,
+        check_fairscale_after,
+        check_scaler,
+        check_zero_before,
+        check_zero_after,
+        check_join,
+        check_pt,
+        check_checkpoint_migration,
+    ],
+    "overlap.md": [check_overlap_recipe, check_overlap_torch],
+    "checkpoints.md": [check_checkpoint_api],
+}
+#: Files each page must have written, relative to its working directory (the tmp_path).
+WRITES = {
+    "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
+    "overlap.md": [],
+    "checkpoints.md": ["old.pt", "ckpt/final/index.json", "ckpt/step_1000/index.json"],
+}
+
+
+def fence_line(text: str, block: str) -> int:
+    """The line number of a block's opening fence (so tracebacks point into the page)."""
+    start = text.find(f"```python\n{block}\n```")
+    return text.count("\n", 0, start) + 1 if start >= 0 else 0
+
+
+def run_page(page: str) -> None:
+    """Exec the page's blocks in order in one namespace, each followed by its check.
+
+    ``destroy_process_group()`` is deferred to the end of the page, so that later blocks and
+    checks can use the group of a complete script (initializing a second one can hang).
+    """
+    faulthandler.dump_traceback_later(RANK_TIMEOUT, exit=True)  # a hang fails, with stacks
+    path = DOCS / page
+    text, blocks, checks = path.read_text(), python_blocks(path), CHECKS[page]
+    assert len(blocks) == len(checks), f"{page}: {len(blocks)} blocks, {len(checks)} checks"
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    destroy, dist.destroy_process_group = dist.destroy_process_group, lambda group=None: None
+    for block, check in zip(blocks, checks):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile("\n" * fence_line(text, block) + block, str(path), "exec"), ns)
+        check(ns, out.getvalue())
+    destroy()
+    sys.stdout.write(f"{page}: {len(blocks)} python block(s) ran and checked on rank {rank()}\n")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------ the tests
+def test_every_python_block_in_docs_is_run():
+    counts = {p.name: len(python_blocks(p)) for p in DOCS.glob("*.md")}
+    run = {**RUN_ELSEWHERE, **{page: len(checks) for page, checks in CHECKS.items()}}
+    assert {page: n for page, n in counts.items() if n} == run
+
+
+@pytest.mark.parametrize("page", sorted(CHECKS))
+def test_doc_page_python_blocks_run_under_torchrun(page, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, page]
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,  # the blocks write to relative paths
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RANK_TIMEOUT + 60,
+    )
+    assert proc.returncode == 0, f"{page} failed:\n{proc.stdout}\n{proc.stderr}"
+    for r in range(2):
+        assert f"{page}: {len(CHECKS[page])} python block(s) ran and checked on rank {r}" in (
+            proc.stdout
+        )
+    assert all((tmp_path / name).is_file() for name in WRITES[page]), sorted(tmp_path.rglob("*"))
+
+
+if __name__ == "__main__":
+    run_page(sys.argv[1])
