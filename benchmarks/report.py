@@ -71,6 +71,8 @@ def table(result: BenchResult) -> str:
         "step ms",
         "x floor",
         "x peer",
+        "CPU ms",
+        "busy",
         "wire MB",
         "state MB",
         "imbal",
@@ -91,6 +93,8 @@ def table(result: BenchResult) -> str:
                     _fmt(row["step_s"], 1e3),
                     _fmt(rel[key]["vs_floor"], digits=2),
                     _fmt(rel[key]["vs_best_peer"], digits=2),
+                    _fmt(row.get("cpu_s"), 1e3),
+                    _fmt(row.get("busy_cores"), digits=2),
                     _fmt(row["wire_bytes"] / MB),
                     _fmt(max(state) / MB),
                     _fmt(row["state_imbalance"], digits=2),
@@ -103,6 +107,10 @@ def table(result: BenchResult) -> str:
                 ]
             )
         )
+    lines.append(
+        "CPU ms: CPU time of one step summed over the ranks (every thread, user + system); "
+        f"busy: CPU / step time, in cores (this machine has {machine['cores']})"
+    )
     for key, reason in result.skipped.items():
         lines.append(f"skipped {IMPLS[key].label}: {reason}")
     lines += _sweep_lines("step ms by model size (M params)", result.size_sweep)
@@ -110,7 +118,7 @@ def table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-_WIDTHS = [30, 8, 7, 7, 8, 9, 6, 7, 7, 6, 8, 8, 0]
+_WIDTHS = [30, 8, 7, 7, 7, 5, 8, 9, 6, 7, 7, 6, 8, 8, 0]
 
 
 def _row(cells: list[str]) -> str:
@@ -152,12 +160,20 @@ def plot(result: BenchResult, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed (pip install oss_plus[docs])"
-    panels = 3 if result.size_sweep or result.world_sweep else 2
+    sweeps = [
+        (sweep, label)
+        for sweep, label in (
+            (result.size_sweep, "model size, M params"),
+            (result.world_sweep, "world size"),
+        )
+        if sweep
+    ]
+    panels = 2 + len(sweeps)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 5), squeeze=False)
     _bars(axes[0][0], result)
     _memory(axes[0][1], result)
-    if panels == 3:
-        _sweeps(axes[0][2], result)
+    for ax, (sweep, label) in zip(axes[0][2:], sweeps):
+        _sweep(ax, sweep, label)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -203,12 +219,7 @@ def _memory(ax: Any, result: BenchResult) -> None:
     ax.legend(loc="lower right")
 
 
-def _sweeps(ax: Any, result: BenchResult) -> None:
-    sweep, xlabel = (
-        (result.size_sweep, "model size, M params")
-        if result.size_sweep
-        else (result.world_sweep, "world size")
-    )
+def _sweep(ax: Any, sweep: dict[str, dict[str, float]], xlabel: str) -> None:
     keys = list(dict.fromkeys(k for row in sweep.values() for k in row))
     xs = [float(x) for x in sweep]
     for key in keys:
@@ -228,7 +239,7 @@ def summary_lines(result: BenchResult) -> list[str]:
     """The target ratios in one line each (what docs/benchmarks.md quotes)."""
     rel = ratios(result)
     lines = []
-    for key in [k for k in rel if k.startswith("oss_plus")]:
+    for key in [k for k in rel if k.startswith("oss_plus") and k != "oss_plus_sync"]:
         r = rel[key]
         lines.append(
             f"{IMPLS[key].label}: {_fmt(r['vs_floor'], digits=2)}x floor, "
@@ -237,6 +248,7 @@ def summary_lines(result: BenchResult) -> list[str]:
             f"({_fmt(r['net_rss_vs_floor'], digits=3)}x above the process baseline)"
             + (f", {r['vs_fp32']:.2f}x the fp32 step" if "vs_fp32" in r else "")
         )
+    lines += _cpu_bound_lines(result)
     for fp32, bf16 in (("oss_plus", "oss_plus_bf16"), ("oss_plus", "oss_plus_fp16")):
         if fp32 in result.rows and bf16 in result.rows and result.rows[fp32]["wire_bytes"]:
             w32, w16 = result.rows[fp32]["wire_bytes"], result.rows[bf16]["wire_bytes"]
@@ -244,5 +256,24 @@ def summary_lines(result: BenchResult) -> list[str]:
             lines.append(
                 f"{IMPLS[bf16].label} / {IMPLS[fp32].label}: wire bytes {w16 / w32:.2f}x, "
                 f"step {t16 / t32:.2f}x"
+            )
+    return lines
+
+
+def _cpu_bound_lines(result: BenchResult) -> list[str]:
+    """How far overlap could go: the step's CPU work over the cores, against the floor."""
+    rows, cores = result.rows, result.machine["cores"]
+    floor = rows.get("floor", {})
+    if not cores or not floor.get("cpu_s"):
+        return []
+    lines = []
+    for key in ("oss_plus", "oss_plus_sync"):
+        cpu = rows.get(key, {}).get("cpu_s")
+        if cpu:
+            lines.append(
+                f"{IMPLS[key].label}: {cpu * 1e3:.1f} CPU ms per step over {cores} cores "
+                f"(floor {floor['cpu_s'] * 1e3:.1f}): no schedule finishes it in under "
+                f"{cpu / cores * 1e3:.1f} ms = "
+                f"{cpu / cores / floor['step_s']:.2f}x the floor's step"
             )
     return lines

@@ -127,29 +127,44 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Any, count: int, slowest: torch.Tensor) -> list[float]:
-    """Time ``count`` calls of ``fn``; each is the slowest rank's time."""
+def _timed(
+    fn: Any, count: int, slowest: torch.Tensor, cpu: list[float] | None = None
+) -> list[float]:
+    """Time ``count`` calls of ``fn``; each is the slowest rank's time.
+
+    With ``cpu``, also append the CPU time every rank spent in each call, summed over the
+    ranks (user + system, every thread of the process, so gloo's threads and the kernel's
+    copies for its sockets count): a step that keeps every core busy has ``cpu / time``
+    equal to the number of cores.
+    """
     times = []
     for _ in range(count):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         _sync()
-        slowest.fill_(time.perf_counter() - start)
+        elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
+        slowest.fill_(elapsed)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         times.append(float(slowest))
+        if cpu is not None:
+            slowest.fill_(used)
+            dist.all_reduce(slowest, op=dist.ReduceOp.SUM)
+            cpu.append(float(slowest))
     return times
 
 
 def _measure(runner: Runner, slowest: torch.Tensor, warmup: int, steps: int) -> dict[str, Any]:
     for _ in range(warmup):
         runner.step()
-    times = _timed(runner.step, steps, slowest)
+    cpu: list[float] = []
+    times = _timed(runner.step, steps, slowest, cpu)
     clip = _timed(lambda: runner.clip(CLIP_NORM), 3, slowest) if runner.clip else []
     states = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(states, torch.tensor([float(runner.state_bytes())], dtype=torch.float64))
     return {
         "times": times,
+        "cpu": cpu,
         "clip": clip,
         "state": [int(s) for s in states],
         "wire": runner.wire_bytes,
@@ -181,13 +196,14 @@ def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.
         for runner in runners.values():
             runner.step()
     times: dict[str, list[float]] = {k: [] for k in keys}
+    cpu: dict[str, list[float]] = {k: [] for k in keys}
     for cycle in range(cfg.rounds * cfg.steps):
         for key in keys[cycle % len(keys) :] + keys[: cycle % len(keys)]:
-            times[key] += _timed(runners[key].step, 1, slowest)
+            times[key] += _timed(runners[key].step, 1, slowest, cpu[key])
     rows = {}
     for key, runner in runners.items():
         rows[key] = _measure(runner, slowest, 0, 0)
-        rows[key]["times"] = times[key]
+        rows[key]["times"], rows[key]["cpu"] = times[key], cpu[key]
     return rows
 
 
@@ -198,8 +214,9 @@ def _blocks(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tenso
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             runner = IMPLS[key].build(make_params(cfg, cfg.layers(size)), cfg.optimizer)
             result = _measure(runner, slowest, cfg.warmup, cfg.steps)
-            row = rows.setdefault(key, {**result, "times": [], "clip": []})
+            row = rows.setdefault(key, {**result, "times": [], "cpu": [], "clip": []})
             row["times"] += result["times"]
+            row["cpu"] += result["cpu"]
             row["clip"] += result["clip"]
             del runner
             gc.collect()
@@ -291,6 +308,10 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
         "step_p10_s": times[len(times) // 10],
         "step_p90_s": times[(len(times) * 9) // 10],
         "clip_s": statistics.median(row["clip"]) if row["clip"] else None,
+        "cpu_s": statistics.median(row["cpu"]) if row["cpu"] else None,
+        "busy_cores": statistics.median(c / t for c, t in zip(row["cpu"], row["times"]) if t)
+        if row["cpu"]
+        else None,
         "state_bytes": row["state"],
         "wire_bytes": row["wire"],
         "note": row["note"],

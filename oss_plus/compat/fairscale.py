@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from torch.optim import SGD, Optimizer
 from oss_plus import _dist
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat._install import install, is_installed, uninstall
-from oss_plus.partition import Rule
+from oss_plus.partition import ParamSpec, Rule
 from oss_plus.sync import Bucket, BucketSync
 
 __all__ = ["OSS", "install", "is_installed", "uninstall"]
@@ -96,6 +96,10 @@ class OSS(CompatOSS):
         self._local_to_global_rank = [
             _dist.global_rank(self.group, r) for r in range(self.world_size)
         ]
+
+    def _local_order(self, specs: Sequence[ParamSpec]) -> list[int]:
+        """fairscale's order: each rank's params in the order they were given."""
+        return self._rule.order(specs)
 
     def _build_sync(self) -> BucketSync:
         """fairscale's layout: params back to back (no alignment padding).
