@@ -1,5 +1,7 @@
 """Smoke test of ``python -m oss_plus bench`` in a tiny configuration (no timing asserts)."""
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -26,19 +28,21 @@ TINY = [
     "--sweep-sizes",
     "",
 ]
-ROWS = "oss_plus,oss_plus_bf16,torch_zero_bv,unsharded,floor"
+ROWS = "oss_plus,oss_plus_bf16,oss_plus_sync,torch_zero_bv,unsharded,floor"
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One tiny bench through the real command line (spawns its own gloo ranks)."""
     out = tmp_path_factory.mktemp("bench")
-    code = main([*TINY, "--impls", ROWS, "--memory-impls", "oss_plus,floor", "--out", str(out)])
-    return code, json.loads((out / "bench.json").read_text()), out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main([*TINY, "--impls", ROWS, "--memory-impls", "oss_plus,floor", "--out", str(out)])
+    return code, json.loads((out / "bench.json").read_text()), out, printed.getvalue()
 
 
 def test_bench_writes_every_row_with_consistent_bytes(tiny_run):
-    code, data, _ = tiny_run
+    code, data, _, _ = tiny_run
     assert code == 0
     rows = data["rows"]
     assert list(rows) == ROWS.split(",")
@@ -54,11 +58,18 @@ def test_bench_writes_every_row_with_consistent_bytes(tiny_run):
     assert rows["oss_plus_bf16"]["wire_bytes"] * 2 == rows["oss_plus"]["wire_bytes"] > 0
     assert rows["floor"]["wire_bytes"] == rows["unsharded"]["wire_bytes"] == 0
     assert data["ratios"]["floor"]["vs_floor"] == 1.0
+    # CPU per step is counted on every row; the sync-only row moves oss_plus's bytes, no state
+    for key, row in rows.items():
+        assert row["cpu_s"] > 0 and 0 < row["busy_cores"] <= 2 * data["machine"]["cores"], key
+    assert rows["oss_plus_sync"]["wire_bytes"] == rows["oss_plus"]["wire_bytes"]
+    assert rows["oss_plus_sync"]["state_bytes"] == [0, 0]
     assert data["machine"]["threads_per_rank"] >= 1
 
 
-def test_bench_prints_a_table_and_draws_a_plot(tiny_run, capsys):
-    _, data, out = tiny_run
+def test_bench_prints_a_table_and_draws_a_plot(tiny_run):
+    _, data, out, text = tiny_run
+    assert "CPU ms" in text and "oss_plus sync only" in text
+    assert "no schedule finishes it in under" in text
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").stat().st_size > 0
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"

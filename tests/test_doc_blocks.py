@@ -1,4 +1,4 @@
-"""Run every ```python block of docs/migration.md, docs/overlap.md and docs/checkpoints.md.
+"""Run every ```python block of README.md, docs/migration.md, overlap.md and checkpoints.md.
 
 Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
 is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
@@ -160,6 +160,19 @@ def check_overlap_torch(ns: dict, out: str) -> None:
     assert out == (expected if rank() == 0 else ""), f"printed:\n{out}expected:\n{expected}"
 
 
+# ------------------------------------------------------------------ README.md
+def check_readme(ns: dict, out: str) -> None:
+    from oss_plus import OSS
+
+    opt, model = ns["opt"], ns["model"]
+    assert isinstance(opt, OSS) and same_on_every_rank(flat_params(model))
+    dist.barrier()  # rank 0 saved
+    saved = torch.load("optim.pt", weights_only=True)
+    plain = torch.optim.Adam(model.parameters(), lr=1e-3)
+    plain.load_state_dict(saved)  # the plain torch.optim format
+    assert len(saved["state"]) == 2 and int(saved["state"][0]["step"]) == 3
+
+
 # ------------------------------------------------------------------ docs/checkpoints.md
 def check_checkpoint_api(ns: dict, out: str) -> None:
     from oss_plus.checkpoint import read_state_dict
@@ -190,13 +203,20 @@ CHECKS: dict[str, list[Check]] = {
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
     "checkpoints.md": [check_checkpoint_api],
+    "README.md": [check_readme],
 }
 #: Files each page must have written, relative to its working directory (the tmp_path).
 WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
     "overlap.md": [],
     "checkpoints.md": ["old.pt", "ckpt/final/index.json", "ckpt/step_1000/index.json"],
+    "README.md": ["optim.pt"],
 }
+
+
+def page_path(page: str) -> Path:
+    """docs/PAGE, or the README at the repository root."""
+    return ROOT / page if page == "README.md" else DOCS / page
 
 
 def fence_line(text: str, block: str) -> int:
@@ -212,7 +232,7 @@ def run_page(page: str) -> None:
     checks can use the group of a complete script (initializing a second one can hang).
     """
     faulthandler.dump_traceback_later(RANK_TIMEOUT, exit=True)  # a hang fails, with stacks
-    path = DOCS / page
+    path = page_path(page)
     text, blocks, checks = path.read_text(), python_blocks(path), CHECKS[page]
     assert len(blocks) == len(checks), f"{page}: {len(blocks)} blocks, {len(checks)} checks"
     ns: dict[str, Any] = {"__name__": "__main__"}
@@ -229,7 +249,7 @@ def run_page(page: str) -> None:
 
 # ------------------------------------------------------------------ the tests
 def test_every_python_block_in_docs_is_run():
-    counts = {p.name: len(python_blocks(p)) for p in DOCS.glob("*.md")}
+    counts = {p.name: len(python_blocks(p)) for p in [*DOCS.glob("*.md"), ROOT / "README.md"]}
     run = {**RUN_ELSEWHERE, **{page: len(checks) for page, checks in CHECKS.items()}}
     assert {page: n for page, n in counts.items() if n} == run
 

@@ -636,3 +636,29 @@ def test_consolidation_pickles_no_tensor_and_only_the_recipient_receives(pool):
             assert not no_copy
         else:
             assert received == 0 and no_copy
+
+
+def _inner_order(ctx, adapter):
+    from oss_plus.compat.fairscale import OSS as FairscaleOSS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
+    )
+    cls = FairscaleOSS if adapter else OSS
+    opt = cls(model.parameters(), optim=torch.optim.Adam, lr=0.1, group=ctx.group)
+    flat = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(flat)}
+    inner = [index[id(p)] for g in opt.optim.param_groups for p in g["params"]]
+    listed = [index[id(p)] for p in opt.partition_parameters()[ctx.rank][0]["params"]]
+    return inner, listed, [flat[i].numel() for i in inner]
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["core", "fairscale_adapter"])
+def test_inner_optimizer_steps_largest_params_first_fairscale_adapter_keeps_order(pool, adapter):
+    for inner, listed, sizes in pool.run(_inner_order, adapter, world_size=2):
+        assert inner == listed  # partition_parameters lists what the inner optimizer steps
+        if adapter:
+            assert inner == sorted(inner)  # fairscale's order: as given
+        else:
+            assert sizes == sorted(sizes, reverse=True) and inner != sorted(inner)
