@@ -1,0 +1,45 @@
+"""The checkpoint benchmark's disk floors and report (no timing asserts)."""
+
+import statistics
+
+from benchmarks import checkpoint_bench
+
+
+def _measured(save: float) -> dict:
+    return {
+        "save_s": save,
+        "save_runs": [save],
+        "save_cpu_s": save,
+        "load_s": None,
+        "save_rss_ratio": 1.0,
+        "steady_mb": 500.0,
+        "load_extra_mb": 0.0,
+        "size_mb": 160.0,
+    }
+
+
+def test_report_compares_each_layout_with_its_disk_floor():
+    summary = {
+        "fairscale": _measured(0.5),
+        "oss_plus sharded": _measured(0.13),
+        "disk floor sharded": _measured(0.1),
+        "torch ZeRO": {"skipped": "not installed"},
+    }
+    text = checkpoint_bench.table(summary)
+    assert "| disk floor sharded | 0.100 | 5.0x |" in text
+    assert "| torch ZeRO | skipped: not installed |" in text
+    (line,) = checkpoint_bench.floor_lines(summary)  # no consolidated pair: one line only
+    assert line.startswith("oss_plus sharded: save 1.30x its disk floor")
+    assert "the floor itself is 5.0x faster than fairscale" in line
+
+
+def test_disk_floors_write_the_state_bytes_durably_and_replace_the_previous_file():
+    summary = checkpoint_bench.run(0.01, 2, 2, 1, ("disk floor sharded", "disk floor consolidated"))
+    sharded, consolidated = summary["disk floor sharded"], summary["disk floor consolidated"]
+    # two Adam tensors per param (exp_avg, exp_avg_sq) of float32; the floors keep one file
+    # per writer: the previous save's file is gone after each save
+    state_mb = 2 * sharded["params"] * 4 / 1e6
+    assert abs(sharded["size_mb"] - state_mb) < 1e-3
+    assert abs(consolidated["size_mb"] - state_mb) < 1e-3
+    for m in (sharded, consolidated):
+        assert m["load_s"] is None and statistics.median(m["save_runs"]) > 0
