@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from oss_plus import _ckpt_comm, _ckpt_io, _ckpt_stream
+from oss_plus import _ckpt_comm, _ckpt_io, _ckpt_stream, _dist
 from oss_plus._ckpt_format import (
     Index,
     PlainValue,
@@ -77,7 +77,7 @@ def describe(optimizer: OSS, layout: str, save_id: str) -> Index:
     inner = type(optimizer.optim)
     params = [
         {"shape": list(p.shape), "dtype": dtype_string(p.dtype), "trainable": p.requires_grad}
-        for p in optimizer._flat_params()
+        for p in optimizer.flat_params()
     ]
     groups = pack_param_groups(optimizer.param_groups)
     encode_groups(groups, "param_groups")
@@ -90,8 +90,8 @@ def describe(optimizer: OSS, layout: str, save_id: str) -> Index:
         params=params,
         optimizer=f"{inner.__module__}.{inner.__qualname__}",
         world_size=optimizer.world_size,
-        partition=[list(owners) for owners in optimizer._owners],
-        partition_rule=str(getattr(optimizer._rule, "value", optimizer._rule)),
+        partition=optimizer.plan.owners_by_group(),
+        partition_rule=optimizer.plan.rule.value,
         created_by=f"oss_plus {__version__}",
     )
 
@@ -117,7 +117,7 @@ def write_sharded(
         size, written = _ckpt_io.write_file(stage / name, entries, save_id)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _ckpt_comm.raise_everywhere(error, group, stage_cleanup(target, save_id, rank))
+    _dist.agree(error, group, cleanup=stage_cleanup(target, save_id, rank))
     meta = {"file": name, "rank": rank, "bytes": size, "state": encode_state(written)}
     gathered = _ckpt_comm.gather_json(meta, group)
     if gathered is None or index is None:
@@ -149,7 +149,7 @@ def write_consolidated(
         tensors = [t for _, _, t in _ckpt_io.file_order(entries)]
         sent_crcs, send_error = _ckpt_stream.send_tensors(tensors, group)
         _ckpt_comm.gather_json(sent_crcs, group)
-        _ckpt_comm.raise_everywhere(send_error, group)
+        _dist.agree(send_error, group)
         return None
     files = {name: {"rank": 0, "bytes": 0}}
     owner: dict[tuple[int, str], int] = {}
@@ -162,7 +162,7 @@ def write_consolidated(
     items = _ckpt_io.file_order(state)
     size, crcs, error = _stream_to_file(target, save_id, items, owner, entries, group)
     remote = [iter(crcs_of_rank) for crcs_of_rank in _ckpt_comm.gather_json([], group) or []]
-    _ckpt_comm.raise_everywhere(error, group, stage_cleanup(target, save_id, rank))
+    _dist.agree(error, group, cleanup=stage_cleanup(target, save_id, rank))
     for position, (i, k, ref) in enumerate(items):
         crc = crcs[position] if owner[i, k] == 0 else next(remote[owner[i, k]])
         state[i][k] = replace(ref, crc32=crc)

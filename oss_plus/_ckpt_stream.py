@@ -63,7 +63,7 @@ def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int]
     """Send the bytes of ``tensors`` to group rank 0 as :func:`message_plan` cuts them.
 
     A failure while preparing the bytes does not break the protocol: zeros are sent in place
-    of the missing bytes and the error is returned, for ``raise_everywhere``.
+    of the missing bytes and the error is returned, for ``_dist.agree``.
 
     Returns:
         The CRC-32 of every tensor, and the first error (or None).
@@ -83,7 +83,7 @@ def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int]
             if error is None:
                 try:
                     buffer = _message(tensors, views, message, crcs, pack)
-                except Exception as exc:  # noqa: BLE001 - reported by raise_everywhere
+                except Exception as exc:  # noqa: BLE001 - reported by _dist.agree
                     error = exc
             if buffer is None:  # keep the protocol: zeros in place of the missing bytes
                 if pack is None:

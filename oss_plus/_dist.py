@@ -6,10 +6,14 @@ Every helper takes the process group explicitly; ranks are group-local unless a 
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 #: Message when no process group exists.
 NOT_INITIALIZED = (
@@ -52,26 +56,110 @@ PEER_FAILED = (
 )
 
 
-def any_rank(flag: bool, group: Any) -> list[bool]:
-    """Return, for every rank of ``group``, the ``flag`` it passed (collective).
+#: Exception types re-raised with the same type on the ranks that did not fail themselves.
+_SHARED_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        FileNotFoundError,
+        NotADirectoryError,
+        PermissionError,
+        NotImplementedError,
+        OSError,
+    )
+}
 
-    Used so that an error one rank detects is raised on every rank instead of leaving the
-    others blocked in the next collective.
+T = TypeVar("T")
+
+
+def pad_bytes(data: bytes, group: Any) -> tuple[torch.Tensor, list[int]]:
+    """Return ``data`` as uint8 padded to the longest of the group's, and every length."""
+    device = comm_device(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return padded, sizes
+
+
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Return the ``data`` of every rank of ``group`` (collective; nothing is pickled)."""
+    mine, sizes = pad_bytes(data, group)
+    everyone = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(everyone, mine, group=group)
+    return [bytes(t[:n].cpu().numpy()) for t, n in zip(everyone, sizes)]
+
+
+def agree(
+    error: BaseException | None,
+    group: Any,
+    *,
+    value: int = 0,
+    cleanup: Callable[[], None] | None = None,
+) -> list[int]:
+    """End a collective phase: raise on every rank of ``group`` if any rank has ``error``.
+
+    The one mechanism by which an error seen on some ranks reaches all of them (modelled on
+    torch DCP's ``_DistWrapper``). One ``all_gather`` of ``(failed, value)`` per rank; when
+    a rank failed, ``cleanup`` runs on every rank, the error texts travel (as bytes, never
+    pickled), the failed rank re-raises its own error and every other rank raises an error
+    of the same type (for the common types; else RuntimeError) naming the failed rank(s) and
+    the first one's message.
+
+    Args:
+        error: what this rank raised in the phase, or None.
+        group: the process group.
+        value: an int64 every rank contributes (e.g. a fingerprint), returned by rank.
+        cleanup: run on every rank before raising, when any rank failed.
+
+    Returns:
+        ``value`` of every rank, when no rank failed.
+
+    .. warning:: Collective: call on every rank of ``group``.
     """
-    world = dist.get_world_size(group)
-    flags = torch.zeros(world, dtype=torch.int32, device=comm_device(group))
-    flags[dist.get_rank(group)] = int(flag)
-    dist.all_reduce(flags, group=group)
-    return [bool(f) for f in flags.tolist()]
-
-
-def raise_if_any(error: BaseException | None, group: Any) -> None:
-    """Raise on every rank of ``group`` when ``error`` is set on any rank (collective).
-
-    The rank that hit ``error`` re-raises it; the others raise RuntimeError naming the ranks.
-    """
-    failed = [r for r, f in enumerate(any_rank(error is not None, group)) if f]
+    device = comm_device(group)
+    mine = torch.tensor([int(error is not None), value], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [t.tolist() for t in gathered]
+    failed = [r for r, (flag, _) in enumerate(rows) if flag]
+    if not failed:
+        return [v for _, v in rows]
+    if cleanup is not None:
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 - the original error matters more
+            logger.warning("cleanup after a failed collective phase failed", exc_info=True)
+    text = f"{type(error).__name__}: {error}" if error is not None else ""
+    messages = all_gather_bytes(text.encode("utf-8", "replace"), group)
     if error is not None:
         raise error
-    if failed:
-        raise RuntimeError(PEER_FAILED.format(ranks=failed))
+    kind, _, message = messages[failed[0]].decode("utf-8", "replace").partition(": ")
+    cls = _SHARED_ERRORS.get(kind, RuntimeError)
+    raise cls(f"{PEER_FAILED.format(ranks=failed)}; rank {failed[0]} raised {kind}: {message}")
+
+
+def run_phase(fn: Callable[[], T], group: Any, *, cleanup: Callable[[], None] | None = None) -> T:
+    """Run ``fn`` on every rank of ``group``; if it raised on any rank, raise on all.
+
+    See :func:`agree` for what every rank raises.
+
+    Example:
+        >>> meta = run_phase(lambda: read_index(path), group)  # doctest: +SKIP
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised by agree, here and on every rank
+        error = exc
+    agree(error, group, cleanup=cleanup)
+    return cast(T, result)

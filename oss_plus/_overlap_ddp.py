@@ -105,8 +105,8 @@ def check_pairing(ddp: DistributedDataParallel, optimizer: OSS) -> None:
     if ddp_ranks != opt_ranks:
         raise ValueError(GROUP_MISMATCH.format(ddp=ddp_ranks, opt=opt_ranks))
     reduced = {id(p) for p in _ddp_params(ddp)}
-    held = {id(p) for p in optimizer._flat_params()}
-    for index, p in enumerate(optimizer._flat_params()):
+    held = {id(p) for p in optimizer.flat_params()}
+    for index, p in enumerate(optimizer.flat_params()):
         if p.requires_grad and id(p) not in reduced:
             raise ValueError(PARAM_NOT_IN_DDP.format(index=index))
     for p in _ddp_params(ddp):

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
+
+from oss_plus import _dist
+from oss_plus.partition import Rule
+from oss_plus.plan import ShardPolicy
 
 EMPTY_PARAMS = "oss_plus.OSS got an empty parameter list: pass model.parameters() or param groups"
 
@@ -27,6 +34,45 @@ def check_optim_class(optim: Any) -> None:
             )
     elif not callable(optim):
         raise TypeError(f"optim must be an optimizer class such as torch.optim.Adam, got {optim!r}")
+
+
+def check_options(
+    optim: Any, broadcast_dtype: Any, shard_policy: Any, partition_rule: Any
+) -> ShardPolicy:
+    """Validate the options of :class:`oss_plus.OSS`; return the effective policy.
+
+    Raises:
+        TypeError: ``optim`` is not an optimizer class, or ``shard_policy`` not a policy.
+        ValueError: a wire dtype other than fp16/bf16, or an unknown partition rule.
+    """
+    check_optim_class(optim)
+    if broadcast_dtype is not None and broadcast_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"broadcast_dtype must be torch.float16, torch.bfloat16 or None, got {broadcast_dtype}"
+        )
+    if shard_policy is not None and not isinstance(shard_policy, ShardPolicy):
+        raise TypeError(f"shard_policy must be an oss_plus.plan.ShardPolicy, got {shard_policy!r}")
+    policy = shard_policy or ShardPolicy()
+    if partition_rule is not None:
+        policy = dataclasses.replace(policy, rule=Rule(partition_rule))
+    return policy
+
+
+def new_group(param_group: dict[str, Any], known: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Normalize a group for ``add_param_group``; its params must be new.
+
+    Raises:
+        ValueError: a param of the group is already in ``known`` (another group).
+    """
+    (normalized,) = normalize_params([param_group])
+    ids = {id(p) for p in known}
+    clash = [i for i, p in enumerate(normalized["params"]) if id(p) in ids]
+    if clash:
+        raise ValueError(
+            f"param {clash[0]} of the new group is already in another param group: "
+            "every param may belong to one group only"
+        )
+    return normalized
 
 
 def normalize_params(params: Any) -> list[dict[str, Any]]:
@@ -121,3 +167,33 @@ def first_difference(mine: list[list[str]], other: list[list[str]]) -> str:
             if x != y:
                 return f"param {i} of group {g} is {x} here, {y} there"
     return "no difference in shapes and dtypes"
+
+
+def check_same_model(
+    param_groups: Sequence[dict[str, Any]] | None, error: Exception | None, group: Any
+) -> None:
+    """Raise on every rank if any rank failed validation or holds a different model.
+
+    One all_gather of (error flag, fingerprint of the shapes and dtypes) per rank, through
+    :func:`oss_plus._dist.agree`; the descriptions travel (as JSON bytes) only when the
+    fingerprints differ. A rank that failed passes its ``error`` (and None groups).
+
+    Raises:
+        ValueError: the ranks of ``group`` hold different models (on every rank).
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    description = describe_params(param_groups) if param_groups is not None else []
+    prints = _dist.agree(error, group, value=fingerprint(description))
+    if len(set(prints)) == 1:
+        return
+    descriptions = [
+        json.loads(b) for b in _dist.all_gather_bytes(json.dumps(description).encode(), group)
+    ]
+    rank = dist.get_rank(group)
+    other = next(r for r, d in enumerate(descriptions) if d != description)
+    raise ValueError(
+        f"the ranks of the process group hold different models: rank {rank} vs rank "
+        f"{other}: {first_difference(description, descriptions[other])}. Build "
+        "the same model on every rank before creating the optimizer"
+    )

@@ -15,14 +15,13 @@ param groups), not only those it owns: an inf anywhere means the scale is too hi
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import _dist
-from oss_plus.optimizer import OSS
+from oss_plus.plan import ShardPlan
 
 __all__ = ["ShardedGradScaler"]
 
@@ -81,9 +80,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Return the group whose ranks must agree for ``optimizer`` (None: no reduction)."""
         if self.group is not None:
             return self.group
-        if isinstance(optimizer, OSS):
-            return optimizer.group
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if isinstance(getattr(optimizer, "plan", None), ShardPlan):  # oss_plus.OSS and adapters
+            return optimizer.group  # type: ignore[attr-defined]
+        # torch's class can only exist once its module was imported: no import here
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+        if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
             return _dist.resolve_group(optimizer.process_group)
         return None
 
@@ -112,17 +113,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         except (ValueError, AssertionError) as exc:
             error = exc
-        device = _dist.comm_device(group)
-        # [found_inf, failed on rank 0, failed on rank 1, ...]: one MAX reduction for both
-        flags = torch.zeros(1 + dist.get_world_size(group), dtype=torch.float32, device=device)
-        for flag in per_device.values():
-            flags[0] += flag.to(device)
-        flags[1 + dist.get_rank(group)] = float(error is not None)
+        found = sum(int(bool(flag.item())) for flag in per_device.values())
         with torch.profiler.record_function("oss_plus::found_inf_all_reduce"):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        if error is not None:
-            raise error
-        failed = [r for r, f in enumerate(flags[1:].tolist()) if f]
-        if failed:
-            raise RuntimeError(_dist.PEER_FAILED.format(ranks=failed))
-        return {found_inf.device: flags[0].to(found_inf.device)}
+            found = max(_dist.agree(error, group, value=found))
+        return {found_inf.device: torch.full_like(found_inf, float(found))}

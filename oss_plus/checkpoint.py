@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from oss_plus import _ckpt_comm, _ckpt_io, _ckpt_read, _ckpt_save
+from oss_plus import _ckpt_comm, _ckpt_io, _ckpt_read, _ckpt_save, _dist
 from oss_plus._ckpt_format import (
     CONSOLIDATED,
     INDEX_FILE,
@@ -90,14 +90,14 @@ def save_checkpoint(optimizer: OSS, path: str | os.PathLike[str], *, sharded: bo
     save_id: str | None = None
     error: Exception | None = None
     try:
-        entries = _ckpt_save.plan_states(optimizer._local_states())
+        entries = _ckpt_save.plan_states(optimizer.export_local_state())
         if rank == 0:
             save_id = _ckpt_io.new_save_id()
             index = _ckpt_save.describe(optimizer, SHARDED if sharded else CONSOLIDATED, save_id)
             _ckpt_io.prepare_stage(target, save_id)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _ckpt_comm.raise_everywhere(error, group, _ckpt_save.stage_cleanup(target, save_id, rank))
+    _dist.agree(error, group, cleanup=_ckpt_save.stage_cleanup(target, save_id, rank))
     save_id = _ckpt_comm.broadcast_text(save_id, _SAVE_ID_LENGTH, group)
     cleanup = _ckpt_save.stage_cleanup(target, save_id, rank)
     write = _ckpt_save.write_sharded if sharded else _ckpt_save.write_consolidated
@@ -111,7 +111,7 @@ def save_checkpoint(optimizer: OSS, path: str | os.PathLike[str], *, sharded: bo
             logger.info("saved %s checkpoint %s to %s", index.layout, save_id, target)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-    _ckpt_comm.raise_everywhere(error, group, cleanup)
+    _dist.agree(error, group, cleanup=cleanup)
     if sharded:  # every rank can reach path: delete in parallel
         _ckpt_io.remove_replaced(target, save_id, rank, optimizer.world_size)
     elif rank == 0:  # only rank 0 needs to reach path
@@ -153,20 +153,19 @@ def load_checkpoint(optimizer: OSS, path: str | os.PathLike[str]) -> None:
         index = _ckpt_read.read_index(root)
         _ckpt_read.check_files(root, index)
         shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
-        dtypes = [p.dtype for p in optimizer._flat_params()]
+        dtypes = [p.dtype for p in optimizer.flat_params()]
         _ckpt_read.check_fits(index, shapes, dtypes, str(root / INDEX_FILE))
         _warn_other_optimizer(index, optimizer)
-        states = _ckpt_read.read_states(root, index, optimizer._owned_indices())
+        states = _ckpt_read.read_states(root, index, optimizer.plan.owned(optimizer.rank))
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _ckpt_comm.raise_everywhere(error, group)
+    _dist.agree(error, group)
     assert index is not None
     try:
-        optimizer._load_param_groups(index.param_groups)
-        optimizer._load_local_states(states)
+        optimizer.import_local_state(states, index.param_groups)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
-    _ckpt_comm.raise_everywhere(error, group)
+    _dist.agree(error, group)
 
 
 def _warn_other_optimizer(index: Index, optimizer: OSS) -> None:

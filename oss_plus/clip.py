@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from oss_plus import _dist
 
 __all__ = [
     "clip_grad_norm_",
+    "clip_owned_",
     "clip_sharded_",
     "local_partial",
     "reduce_partial",
@@ -317,3 +318,45 @@ def clip_grad_norm_(
         _check_finite(total, p, error_if_nonfinite)
         scale_grads_([q.grad for q in params if q.grad is not None], max_norm, total)
     return total
+
+
+def clip_owned_(
+    params: list[torch.Tensor],
+    owned_mask: Sequence[bool],
+    max_norm: float,
+    norm_type: float,
+    optimizer_group: Any,
+    *,
+    filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
+    group: Any | None = None,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the grads of a sharded optimizer (what :meth:`oss_plus.OSS.clip_grad_norm` runs).
+
+    Over the optimizer's own group without a filter: :func:`clip_sharded_` (bit-identical to
+    torch's in fp32). Otherwise partial sums over ``group`` (default the optimizer's) with
+    :func:`clip_grad_norm_`, counting ``filter_params_fn(owned)`` and scaling every owned grad.
+
+    .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
+    """
+    if filter_params_fn is None and (group is None or group is optimizer_group):
+        return clip_sharded_(
+            params,
+            owned_mask,
+            max_norm,
+            norm_type,
+            group=optimizer_group,
+            error_if_nonfinite=error_if_nonfinite,
+        )
+    owned = [p for p, own in zip(params, owned_mask) if own]
+    counted = owned if filter_params_fn is None else list(filter_params_fn(list(owned)))
+    wide = any(p.dtype == torch.float64 for p in params)
+    return clip_grad_norm_(
+        owned,
+        max_norm,
+        norm_type,
+        group=optimizer_group if group is None else group,
+        counted=counted,
+        error_if_nonfinite=error_if_nonfinite,
+        dtype=torch.float64 if wide else torch.float32,
+    )

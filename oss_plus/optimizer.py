@@ -1,17 +1,24 @@
-"""The sharded optimizer: orchestration only (partition plan -> local step -> sync).
+"""The sharded optimizer: orchestration only (shard plan -> local step -> sync).
 
 Each rank of ``group`` keeps the optimizer state of the parameters it owns and steps them
 with an ordinary ``torch.optim`` optimizer (``self.optim``); after the local step every owner
-broadcasts its parameters (:mod:`oss_plus.sync`). Which rank owns what is decided by
-:mod:`oss_plus.partition`; the translation between global and local indices lives in
-:mod:`oss_plus.state`; moving state between ranks in :mod:`oss_plus.consolidate`.
+broadcasts its parameters (:mod:`oss_plus.sync`). Who owns what is a frozen
+:class:`~oss_plus.plan.ShardPlan` (pure code: :mod:`oss_plus.plan`); moving state between
+ranks is :mod:`oss_plus.consolidate`.
+
+Collaborators (checkpoints, overlap with DDP, gradient sharding, the adapters) use the
+*extension contract* below and nothing else: :attr:`OSS.plan`, :attr:`OSS.policy`,
+:meth:`OSS.flat_params`, :meth:`OSS.export_local_state`, :meth:`OSS.import_local_state`,
+:meth:`OSS.repartition`, :attr:`OSS.sync`, :meth:`OSS.install_sync`,
+:attr:`OSS.consolidated_state` and :meth:`OSS.drop_consolidated`. No other module touches
+an underscore member of :class:`OSS` (a test checks it).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,40 +26,25 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from oss_plus import _dist, _params, clip
-from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
-from oss_plus.partition import ParamSpec, Rule, assign_owners
+from oss_plus.consolidate import Transfer, exchange_states
+from oss_plus.partition import ParamSpec, Rule
+from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.state import (
     ParamState,
-    local_view,
-    pack_param_groups,
-    saved_state_by_flat_index,
-    validate_state_dict,
+    copy_hyper,
+    local_groups,
+    local_state_dict,
+    place_states,
 )
-from oss_plus.sync import WIRE_DTYPES, BucketSync
+from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
+from oss_plus.sync import BucketSync, build_sync
 
-__all__ = ["OSS"]
+__all__ = ["NOT_CONSOLIDATED", "OSS"]
 
 logger = logging.getLogger(__name__)
 
-#: Raised by :meth:`OSS.state_dict` when nothing was consolidated on this rank.
-NOT_CONSOLIDATED = (
-    "the optimizer state has not been consolidated on this rank: call "
-    "consolidate_state_dict(recipient_rank={rank}) on every rank first, or "
-    "state_dict(all_ranks=True) on every rank"
-)
-#: Keys of a param group that are not hyperparameters.
-_NOT_HYPER = ("params", "param_names")
 
-
-def _copy_hyper(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
-    """Copy every hyperparameter (not ``params``/``param_names``) group by group."""
-    for s, d in zip(src, dst):
-        for key, value in s.items():
-            if key not in _NOT_HYPER:
-                d[key] = value
-
-
-class OSS(Optimizer):
+class OSS(ShardedStateDict, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors), keeps optimizer
@@ -75,9 +67,12 @@ class OSS(Optimizer):
         force_broadcast_object: ignored; kept for fairscale compatibility (state never
             travels as a pickled object here).
         partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1) or
-            ``"torch"`` (largest first, frozen params weigh their size).
+            ``"torch"`` (largest first, frozen params weigh their size); overrides the rule
+            of ``shard_policy``.
         broadcast_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``;
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
+        shard_policy: keyword-only :class:`~oss_plus.plan.ShardPolicy` (partition rule,
+            local order, bucket layout, transport); how the adapters customise the core.
         **defaults: hyperparameters for ``optim`` (``lr=...``).
 
     Raises:
@@ -104,25 +99,22 @@ class OSS(Optimizer):
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
         *,
-        partition_rule: Rule | str = Rule.FAIRSCALE,
+        partition_rule: Rule | str | None = None,
         broadcast_dtype: torch.dtype | None = None,
+        shard_policy: ShardPolicy | None = None,
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
         self._initialized = False
         error: Exception | None = None
         try:
-            _params.check_optim_class(optim)
-            if broadcast_dtype is not None and broadcast_dtype not in WIRE_DTYPES:
-                raise ValueError(
-                    "broadcast_dtype must be torch.float16, torch.bfloat16 or None, "
-                    f"got {broadcast_dtype}"
-                )
-            self._rule = Rule(partition_rule)
+            self._policy = _params.check_options(
+                optim, broadcast_dtype, shard_policy, partition_rule
+            )
             super().__init__(_params.normalize_params(params), defaults)
         except (TypeError, ValueError) as exc:
             error = exc
-        self._check_same_model(error)
+        _params.check_same_model(None if error else self.param_groups, error, self.group)
 
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -132,129 +124,147 @@ class OSS(Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._optim_constructor = optim
         self._optim_defaults = defaults
-        self._consolidated: dict[int, ParamState] | None = None
-        self._owners = self._plan()
+        self._pinned = False
+        self._plan = self._make_plan()
         self.optim = self._build_local_optimizer({})
-        _copy_hyper(self.optim.param_groups, self.param_groups)
+        copy_hyper(self.optim.param_groups, self.param_groups)
         self._sync = self._build_sync()
         self._trainable = self._trainable_mask()
         self._initialized = True
 
-    # ----------------------------------------------------------------- construction helpers
-    def _check_same_model(self, error: Exception | None) -> None:
-        """Raise on every rank if any rank failed validation or holds a different model.
+    # ----------------------------------------------------------------- the extension contract
+    @property
+    def plan(self) -> ShardPlan:
+        """The current shard plan (a frozen value; a new object after every repartition)."""
+        return self._plan
 
-        One all_gather of two integers per rank (an error flag and a fingerprint of the
-        shapes and dtypes); the descriptions travel only when fingerprints differ.
+    @property
+    def policy(self) -> ShardPolicy:
+        """The :class:`~oss_plus.plan.ShardPolicy` this optimizer was built with."""
+        return self._policy
+
+    def flat_params(self) -> list[torch.Tensor]:
+        """Return every param of every group, in flat-index order (a new list)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def export_local_state(self) -> dict[int, ParamState]:
+        """Return this rank's optimizer state keyed by flat index.
+
+        The per-param dicts are new; their tensors are the live ones (not copies): copy them
+        before the next :meth:`step` if they must outlive it.
         """
-        description = _params.describe_params(self.param_groups) if error is None else []
-        world = dist.get_world_size(self.group)
-        device = _dist.comm_device(self.group)
-        mine = torch.tensor(
-            [int(error is not None), _params.fingerprint(description)], device=device
-        )
-        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=self.group)
-        if error is not None:
-            raise error
-        failed = [r for r, t in enumerate(gathered) if int(t[0])]
-        if failed:
-            raise RuntimeError(_dist.PEER_FAILED.format(ranks=failed))
-        if len({int(t[1]) for t in gathered}) > 1:
-            descriptions: list[Any] = [None] * world
-            dist.all_gather_object(descriptions, description, group=self.group)
-            rank = dist.get_rank(self.group)
-            other = next(r for r, d in enumerate(descriptions) if d != description)
-            raise ValueError(
-                f"the ranks of the process group hold different models: rank {rank} vs rank "
-                f"{other}: {_params.first_difference(description, descriptions[other])}. Build "
-                "the same model on every rank before creating the optimizer"
-            )
+        index = {id(p): i for i, p in enumerate(self.flat_params())}
+        return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
 
+    def import_local_state(
+        self,
+        states: Mapping[int, ParamState],
+        param_groups: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Load the states of the params this rank owns (flat index -> state).
+
+        Entries for params owned elsewhere are ignored; tensors are copied, never aliased,
+        and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
+        With ``param_groups`` (state-dict form), their hyperparameters are loaded first.
+        Not collective.
+        """
+        if param_groups is not None:
+            copy_hyper(copy.deepcopy(param_groups), self.param_groups, exclude=("params",))
+        local_sd = local_state_dict(
+            self.param_groups, self._plan.local_indices(self.rank), states, copy_tensors=True
+        )
+        self.optim.load_state_dict(local_sd)
+        copy_hyper(self.optim.param_groups, self.param_groups)
+        self.drop_consolidated()
+
+    def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
+        """Adopt ``plan`` (default: plan again by the policy) and move state to new owners.
+
+        Every param whose owner changes has its optimizer state sent to the new owner; the
+        inner optimizer is rebuilt over the new shard and the sync layout rebuilt. When no
+        owner or local order changes, the inner optimizer is kept as it is. With ``pin``,
+        later automatic repartitions (``refresh_trainable``, ``add_param_group``) keep this
+        plan's owners (the overlap with DDP assigns params by DDP bucket).
+
+        Raises:
+            ValueError: ``plan`` does not fit the param groups or the world size.
+
+        .. warning:: Collective: call on every rank of ``group`` with the same plan.
+        """
+        if plan is None:
+            plan = self._make_plan()
+        plan.check_fits([len(g["params"]) for g in self.param_groups], self.world_size)
+        self._pinned = pin or self._pinned
+        copy_hyper(self.param_groups, self.optim.param_groups)
+        old, self._plan = self._plan, plan
+        if (old.owners, old.local) != (plan.owners, plan.local):
+            moves = [Transfer(i, a, b) for i, a, b in old.moves(plan)]
+            local = self.export_local_state()
+            arrived = exchange_states(local, moves, self.group, out_device=None)
+            kept = {i: s for i, s in local.items() if plan.owners[i] == self.rank}
+            self.optim = self._build_local_optimizer({**kept, **arrived})
+            copy_hyper(self.optim.param_groups, self.param_groups)
+        self.install_sync()
+
+    @property
+    def sync(self) -> BucketSync:
+        """The object that synchronises parameters after the local step."""
+        return self._sync
+
+    sync_buckets = sync  #: alias of :attr:`sync`
+
+    def install_sync(self, make: Callable[[], Any] | None = None) -> None:
+        """Release the parameter sync (params get their own storage back), then install
+        ``make()`` (default: the policy's layout) for the next steps.
+
+        The object needs ``sync(wire_dtype)``, ``is_intact()`` and ``release()`` (see
+        :class:`oss_plus.sync.BucketSync`). The consolidated state is dropped.
+
+        .. warning:: Collective when ``make`` is: call on every rank of ``group``.
+        """
+        self._sync.release()
+        self._sync = (make or self._build_sync)()
+        self._trainable = self._trainable_mask()
+        self.drop_consolidated()
+
+    # ----------------------------------------------------------------- construction helpers
     def _specs(self) -> list[list[ParamSpec]]:
         return [
             [ParamSpec(p.numel(), p.requires_grad) for p in g["params"]] for g in self.param_groups
         ]
 
-    def _plan(self, keep: bool = False) -> list[list[int]]:
-        """Assign owners; with ``keep``, params of the groups already placed keep theirs."""
-        fixed = {}
-        if keep:
-            fixed = {
-                (g, i): r for g, owners in enumerate(self._owners) for i, r in enumerate(owners)
-            }
-        return assign_owners(self._specs(), self.world_size, self._rule, fixed)
+    def _make_plan(self, keep: bool = False) -> ShardPlan:
+        """Plan by the policy; with ``keep``, params already placed keep their owners.
 
-    def _flat_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _local_indices(self, rank: int | None = None) -> list[list[int]]:
-        orders = [self._local_order(specs) for specs in self._specs()]
-        return local_view(self._owners, self.rank if rank is None else rank, orders)
-
-    def _local_order(self, specs: Sequence[ParamSpec]) -> list[int]:
-        """The order of one group's params in the inner optimizer: largest first (stable).
-
-        Elementwise optimizers give the same values in any order; the order only changes
-        how the allocator reuses the step's temporaries. Measured on CPU (glibc, 20M-param
-        Adam): a weight/bias/weight/bias order costs 50% more page faults per step and a
-        25% slower local step than params grouped by size (``docs/performance.md``).
-        The fairscale adapter overrides this to keep fairscale's order.
+        A pinned plan (:meth:`repartition` with ``pin``) is kept as it is while the groups
+        do not change.
         """
-        return sorted(range(len(specs)), key=lambda i: -specs[i].numel)
+        specs = self._specs()
+        if self._pinned:
+            if self._plan.group_sizes == tuple(len(g) for g in specs):
+                return self._plan
+            keep = True
+        previous = self._plan if keep else None
+        return make_plan(specs, self.world_size, self._policy, keep=previous)
 
-    def _local_groups(self) -> list[dict[str, Any]]:
-        """This rank's param groups: every global group, restricted to the params it owns."""
-        flat = self._flat_params()
-        names = [n for g in self.param_groups for n in g.get("param_names", ())]
-        groups = []
-        for g, indices in enumerate(self._local_indices()):
-            local = {k: v for k, v in self.param_groups[g].items() if k not in _NOT_HYPER}
-            local["params"] = [flat[i] for i in indices]
-            if "param_names" in self.param_groups[g]:
-                local["param_names"] = [names[i] for i in indices]
-            groups.append(local)
-        return groups
+    def _local_groups(self, rank: int | None = None) -> list[dict[str, Any]]:
+        """A rank's param groups: every global group, restricted to the params it owns."""
+        indices = self._plan.local_indices(self.rank if rank is None else rank)
+        return local_groups(self.param_groups, indices, self.flat_params())
 
     def _build_local_optimizer(self, states: dict[int, ParamState]) -> Optimizer:
         """Create the inner optimizer over this rank's shard and give it ``states``."""
         inner = self._optim_constructor(self._local_groups(), **self._optim_defaults)
         if not isinstance(inner, Optimizer):
             raise TypeError(f"optim built a {type(inner).__name__}, not a torch.optim.Optimizer")
-        flat = self._flat_params()
-        group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
-        for index, state in states.items():
-            param = flat[index]
-            group = group_of[id(param)]
-            on_device = group.get("fused") or group.get("capturable")
-            inner.state[param] = {
-                k: v.to(param.device if v.dim() > 0 or on_device else "cpu")
-                if isinstance(v, torch.Tensor)
-                else v
-                for k, v in state.items()
-            }
+        place_states(inner, self.flat_params(), states)
         return inner
 
     def _build_sync(self) -> BucketSync:
-        flat = self._flat_params()
-        by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for index, owner in enumerate(o for owners in self._owners for o in owners):
-            by_owner[owner].append(flat[index])
-        return BucketSync(by_owner, self.group)
+        return build_sync(self.flat_params(), self._plan, self._policy, self.group)
 
     def _trainable_mask(self) -> list[bool]:
-        return [p.requires_grad for p in self._flat_params()]
-
-    def _owned_indices(self) -> list[int]:
-        """Flat indices of the params this rank owns, in flat order."""
-        return [
-            i for i, o in enumerate(o for owners in self._owners for o in owners) if o == self.rank
-        ]
-
-    def _local_states(self) -> dict[int, ParamState]:
-        """This rank's optimizer state keyed by flat index (the inner dicts are new)."""
-        index = {id(p): i for i, p in enumerate(self._flat_params())}
-        return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
+        return [p.requires_grad for p in self.flat_params()]
 
     # ----------------------------------------------------------------- partition accessors
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
@@ -263,27 +273,12 @@ class OSS(Optimizer):
         Element ``r`` lists one dict per global group with the hyperparameters of that group
         and the params rank ``r`` owns.
         """
-        flat = self._flat_params()
-        result = []
-        for rank in range(self.world_size):
-            groups = []
-            for g, indices in enumerate(self._local_indices(rank)):
-                group = {k: v for k, v in self.param_groups[g].items() if k != "params"}
-                group["params"] = [flat[i] for i in indices]
-                groups.append(group)
-            result.append(groups)
-        return result
+        return [self._local_groups(rank) for rank in range(self.world_size)]
 
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
         """Map every param to the group-local rank that owns it."""
-        owners = [o for group in self._owners for o in group]
-        return dict(zip(self._flat_params(), owners))
-
-    @property
-    def sync_buckets(self) -> BucketSync:
-        """The flat buckets used to synchronise parameters (read-only use)."""
-        return self._sync
+        return dict(zip(self.flat_params(), self._plan.owners))
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -302,24 +297,20 @@ class OSS(Optimizer):
     ) -> torch.Tensor:
         """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
 
-        Each rank measures and scales the gradients of the params it owns now (computed at
-        every call; a trainability change is repartitioned first, as :meth:`step` would),
-        then one ``all_reduce`` gives every rank the same total. Over the optimizer's group
-        without ``filter_params_fn``, the per-param float32 norms are gathered and the total
-        is computed as ``torch.nn.utils.clip_grad_norm_`` does: bit-identical in fp32, and
-        exact to float32 rounding on bf16/fp16 grads (torch rounds to the grad dtype). With
-        ``group=`` or ``filter_params_fn``, partial sums of ``p``-th powers are reduced in
-        float64 instead. Ranks must agree on which params have a gradient (as under DDP).
+        Each rank scales the gradients of the params it owns now (a trainability change is
+        repartitioned first, as :meth:`step` would); one ``all_reduce`` gives every rank the
+        same total. Over the optimizer's group without ``filter_params_fn`` the total is
+        bit-identical to ``torch.nn.utils.clip_grad_norm_`` in fp32 (exact to float32 on
+        bf16/fp16 grads); with ``group=`` or ``filter_params_fn``, float64 partial sums are
+        reduced instead. Ranks must agree on which params have a gradient (as under DDP).
         See :mod:`oss_plus.clip`.
 
         Args:
             max_norm: the largest total norm allowed.
             norm_type: ``p`` (> 0) or ``float('inf')``.
-            filter_params_fn: receives the list of params this rank owns and returns those
-                to count in the norm (fairscale's hook for model parallelism: count a
-                replicated param on one rank only). Every owned gradient is still scaled.
-            group: reduce over this group instead of the optimizer's (model parallelism:
-                a group spanning data- and model-parallel ranks, with ``filter_params_fn``).
+            filter_params_fn: receives the params this rank owns, returns those to count
+                (fairscale's hook for model parallelism); every owned gradient is scaled.
+            group: reduce over this group instead of the optimizer's (model parallelism).
             error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
 
         Returns:
@@ -336,28 +327,16 @@ class OSS(Optimizer):
         """
         if self._trainable != self._trainable_mask():
             self.refresh_trainable()
-        flat = self._flat_params()
-        owned_mask = [o == self.rank for owners in self._owners for o in owners]
-        if filter_params_fn is None and (group is None or group is self.group):
-            return clip.clip_sharded_(
-                flat,
-                owned_mask,
-                max_norm,
-                norm_type,
-                group=self.group,
-                error_if_nonfinite=error_if_nonfinite,
-            )
-        owned = [p for p, own in zip(flat, owned_mask) if own]
-        counted = owned if filter_params_fn is None else list(filter_params_fn(list(owned)))
-        wide = any(p.dtype == torch.float64 for p in flat)
-        return clip.clip_grad_norm_(
-            owned,
+        owned_mask = [o == self.rank for o in self._plan.owners]
+        return clip.clip_owned_(
+            self.flat_params(),
+            owned_mask,
             max_norm,
             norm_type,
-            group=self.group if group is None else group,
-            counted=counted,
+            self.group,
+            filter_params_fn=filter_params_fn,
+            group=group,
             error_if_nonfinite=error_if_nonfinite,
-            dtype=torch.float64 if wide else torch.float32,
         )
 
     # ----------------------------------------------------------------- stepping
@@ -378,17 +357,16 @@ class OSS(Optimizer):
             self.refresh_trainable()
         elif not self._sync.is_intact():
             logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
-            self._sync.release()
-            self._sync = self._build_sync()
-        self._consolidated = None
-        _copy_hyper(self.param_groups, self.optim.param_groups)
+            self.install_sync()
+        self.drop_consolidated()
+        copy_hyper(self.param_groups, self.optim.param_groups)
         with torch.profiler.record_function("oss_plus::local_step"):
             if closure is not None:
                 loss = self.optim.step(closure=closure, **kwargs)
             else:
                 loss = self.optim.step(**kwargs)
         self._sync.sync(self.wire_dtype)
-        _copy_hyper(self.optim.param_groups, self.param_groups)
+        copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -402,19 +380,11 @@ class OSS(Optimizer):
         if not self._initialized:
             super().add_param_group(param_group)
             return
-        (normalized,) = _params.normalize_params([param_group])
-        known = {id(p) for p in self._flat_params()}
-        clash = [i for i, p in enumerate(normalized["params"]) if id(p) in known]
-        if clash:
-            raise ValueError(
-                f"param {clash[0]} of the new group is already in another param group: "
-                "every param may belong to one group only"
-            )
-        super().add_param_group(normalized)
-        self._owners = self._plan(keep=True)
+        super().add_param_group(_params.new_group(param_group, self.flat_params()))
+        self._plan = self._make_plan(keep=True)
         self.optim.add_param_group(self._local_groups()[-1])
-        _copy_hyper(self.optim.param_groups, self.param_groups)
-        self._rebuild_sync()
+        copy_hyper(self.optim.param_groups, self.param_groups)
+        self.install_sync()
 
     def refresh_trainable(self) -> None:
         """Repartition over the params trainable now and move state to the new owners.
@@ -426,117 +396,4 @@ class OSS(Optimizer):
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        _copy_hyper(self.param_groups, self.optim.param_groups)
-        planned = self._plan()
-        if planned == self._owners:  # same owners: keep the inner optimizer as it is
-            self._rebuild_sync()
-            return
-        old = [o for owners in self._owners for o in owners]
-        self._owners = planned
-        new = [o for owners in self._owners for o in owners]
-        moves = [Transfer(i, a, b) for i, (a, b) in enumerate(zip(old, new)) if a != b]
-        local = self._local_states()
-        arrived = exchange_states(local, moves, self.group, out_device=None)
-        kept = {i: s for i, s in local.items() if new[i] == self.rank}
-        self.optim = self._build_local_optimizer({**kept, **arrived})
-        self._trainable = self._trainable_mask()
-        self._rebuild_sync()
-
-    def _rebuild_sync(self) -> None:
-        self._sync.release()
-        self._sync = self._build_sync()
-        self._trainable = self._trainable_mask()
-        self._consolidated = None
-
-    # ----------------------------------------------------------------- state dicts
-    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
-        """Gather the full optimizer state on ``recipient_rank`` (-1: on every rank).
-
-        Tensors move by send/recv (or broadcast for -1); only shapes, dtypes and plain values
-        travel as objects. Other ranks keep no copy. The result is read by
-        :meth:`state_dict` and dropped at the next :meth:`step`.
-
-        Raises:
-            ValueError: ``recipient_rank`` is not -1 or a rank of ``group``.
-
-        .. warning:: Collective: call on every rank of ``group``.
-        """
-        if not -1 <= recipient_rank < self.world_size:
-            raise ValueError(
-                f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
-                f"got {recipient_rank}"
-            )
-        _copy_hyper(self.param_groups, self.optim.param_groups)
-        dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
-        owners = [o for group in self._owners for o in group]
-        transfers = [Transfer(i, owner, dst) for i, owner in enumerate(owners)]
-        self._consolidated = None
-        received = exchange_states(self._local_states(), transfers, self.group)
-        if dst in (ALL_RANKS, self.rank):
-            self._consolidated = received
-
-    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
-        """Return the full state in the plain ``torch.optim`` format.
-
-        Keys of ``state`` are flat indices over the global param groups, so the dict loads
-        into a plain torch optimizer or into OSS at any world size.
-
-        Args:
-            all_ranks: consolidate on every rank first (collective).
-
-        Raises:
-            RuntimeError: nothing was consolidated on this rank.
-        """
-        if all_ranks:
-            self.consolidate_state_dict(recipient_rank=-1)
-        if self._consolidated is None:
-            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
-        state = {i: dict(self._consolidated[i]) for i in sorted(self._consolidated)}
-        return {"state": state, "param_groups": pack_param_groups(self.param_groups)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (oss_plus, fairscale OSS, torch ZeRO or plain torch).
-
-        Each rank keeps the state of the params it owns. ``state_dict`` is not modified and
-        no tensor of it is aliased by the optimizer.
-
-        Raises:
-            ValueError: the state dict does not fit the param groups (count, sizes, shapes).
-        """
-        shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
-        validate_state_dict(state_dict, shapes)
-        self._load_param_groups(state_dict["param_groups"])
-        self._load_local_states(saved_state_by_flat_index(state_dict))
-
-    def _load_param_groups(self, saved_groups: list[dict[str, Any]]) -> None:
-        """Copy the hyperparameters of ``saved_groups`` (deep copies) into the global groups."""
-        for group, saved_group in zip(self.param_groups, saved_groups):
-            for key, value in saved_group.items():
-                if key != "params":
-                    group[key] = copy.deepcopy(value)
-
-    def _load_local_states(self, saved: dict[int, ParamState]) -> None:
-        """Load the states of the params this rank owns from ``saved`` (flat index -> state).
-
-        Entries for params owned elsewhere are ignored; tensors are copied, never aliased,
-        and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
-        Hyperparameters come from the global groups.
-        """
-        local_sd: dict[str, Any] = {"state": {}, "param_groups": []}
-        position = 0
-        for g, indices in enumerate(self._local_indices()):
-            packed = {
-                k: copy.deepcopy(v) for k, v in self.param_groups[g].items() if k not in _NOT_HYPER
-            }
-            packed["params"] = list(range(position, position + len(indices)))
-            for offset, index in enumerate(indices):
-                if index in saved:
-                    local_sd["state"][position + offset] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                        for k, v in saved[index].items()
-                    }
-            position += len(indices)
-            local_sd["param_groups"].append(packed)
-        self.optim.load_state_dict(local_sd)
-        _copy_hyper(self.optim.param_groups, self.param_groups)
-        self._consolidated = None
+        self.repartition()

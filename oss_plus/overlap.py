@@ -63,6 +63,8 @@ from oss_plus._overlap_ddp import (
 from oss_plus._overlap_layout import Entry, OverlapSync
 from oss_plus._overlap_plan import owner_pieces
 from oss_plus.optimizer import OSS
+from oss_plus.plan import ShardPlan
+from oss_plus.state import copy_hyper
 
 __all__ = [
     "GROUP_MISMATCH",
@@ -88,11 +90,6 @@ PARAMS_CHANGED = (
     "the optimizer's params or their requires_grad changed after the overlapped step was set "
     "up: DDP's gradient buckets cannot follow such a change; build a new DDP and optimizer"
 )
-
-
-def _copy_hyper(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
-    for s, d in zip(src, dst):
-        d.update({k: v for k, v in s.items() if k not in ("params", "param_names")})
 
 
 class DDPOverlap:
@@ -132,7 +129,7 @@ class DDPOverlap:
         self._gate = gate
         self._params_changed = params_changed
         self._snapshot = self._describe()
-        self._owners: list[list[int]] | None = None
+        self._plan_seen: ShardPlan | None = None
         self._owner_of: dict[int, int] = {}
         self._lock = threading.Lock()
         self._lag = 0 if dist.get_backend(optimizer.group) == dist.Backend.NCCL else 1
@@ -143,7 +140,7 @@ class DDPOverlap:
         self._wire: torch.dtype | None = None
 
     def _describe(self) -> list[tuple[int, bool]]:
-        return [(id(p), p.requires_grad) for p in self.optimizer._flat_params()]
+        return [(id(p), p.requires_grad) for p in self.optimizer.flat_params()]
 
     # ----------------------------------------------------------------- the hook
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -174,34 +171,31 @@ class DDPOverlap:
 
     def _by_owner(self, index: int, params: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
         """The core's plan: each owner steps its own params of the bucket."""
-        if self._owners is not self.optimizer._owners:
-            self._owners = self.optimizer._owners
+        if self._plan_seen is not self.optimizer.plan:
+            self._plan_seen = self.optimizer.plan
             self._owner_of = {id(p): r for p, r in self.optimizer.param_to_rank.items()}
         return owner_pieces([self._owner_of.get(id(p)) for p in params])
 
     def _layout(self) -> OverlapSync:
-        sync = self.optimizer._sync
+        sync = self.optimizer.sync
         if isinstance(sync, OverlapSync):
             return sync
-        sync.release()
-        layout = OverlapSync(self.optimizer.group)
-        self.optimizer._sync = layout
-        return layout
+        self.optimizer.install_sync(lambda: OverlapSync(self.optimizer.group))
+        return self.optimizer.sync  # type: ignore[return-value]
 
     def _begin(self) -> None:
         """First bucket of an iteration: checks, fresh per-iteration state, hyperparams in."""
         opt = self.optimizer
         if self._describe() != self._snapshot:
             raise RuntimeError(self._params_changed)
-        moved = self._owners is not None and self._owners is not opt._owners
-        sync = opt._sync
+        moved = self._plan_seen is not None and self._plan_seen is not opt.plan
+        sync = opt.sync
         if not isinstance(sync, OverlapSync) or not sync.is_intact() or moved:
-            sync.release()
-            opt._sync = OverlapSync(opt.group)
-        opt._consolidated = None
+            opt.install_sync(lambda: OverlapSync(opt.group))
+        opt.drop_consolidated()
         self._pending, self._stepped, self._works, self._issued = [], [], [], 0
         self._wire = opt.wire_dtype
-        _copy_hyper(opt.param_groups, opt.optim.param_groups)
+        copy_hyper(opt.param_groups, opt.optim.param_groups)
 
     def _end(self) -> None:
         """After the last bucket: wait for the broadcasts, hyperparams out."""
@@ -209,7 +203,7 @@ class DDPOverlap:
         with torch.profiler.record_function("oss_plus::overlap.wait"):
             for finish in self._works:
                 finish()
-        _copy_hyper(opt.optim.param_groups, opt.param_groups)
+        copy_hyper(opt.optim.param_groups, opt.param_groups)
         self._pending, self._stepped, self._works, self._issued = [], [], [], 0
 
     # ----------------------------------------------------------------- the two schedules

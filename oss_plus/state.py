@@ -18,10 +18,15 @@ from typing import Any
 import torch
 
 __all__ = [
+    "NOT_HYPER",
     "ParamState",
+    "copy_hyper",
     "group_offsets",
+    "local_groups",
+    "local_state_dict",
     "local_view",
     "pack_param_groups",
+    "place_states",
     "validate_state_dict",
     "state_shape_error",
 ]
@@ -34,6 +39,115 @@ NOT_A_STATE_DICT = (
     "expected an optimizer state dict with keys 'state' and 'param_groups' "
     "(the torch.optim format), got keys {keys}"
 )
+
+
+#: Keys of a param group that are not hyperparameters.
+NOT_HYPER = ("params", "param_names")
+
+
+def copy_hyper(
+    src: Sequence[Mapping[str, Any]],
+    dst: Sequence[dict[str, Any]],
+    exclude: tuple[str, ...] = NOT_HYPER,
+) -> None:
+    """Copy every key but ``exclude`` from each group of ``src`` to the same group of ``dst``.
+
+    Values are assigned, not copied (a scheduler's tensor ``lr`` stays one object).
+
+    Example:
+        >>> dst = [{"params": [1], "lr": 0.1}]
+        >>> copy_hyper([{"params": [], "lr": 0.5}], dst); dst
+        [{'params': [1], 'lr': 0.5}]
+    """
+    for s, d in zip(src, dst):
+        for key, value in s.items():
+            if key not in exclude:
+                d[key] = value
+
+
+def local_groups(
+    param_groups: Sequence[Mapping[str, Any]],
+    indices: Sequence[Sequence[int]],
+    params: Sequence[Any],
+) -> list[dict[str, Any]]:
+    """Return one rank's param groups: every global group restricted to ``indices[g]``.
+
+    Hyperparameters are shared with the global groups (not copied); ``param_names`` (when
+    the groups have them) are restricted like the params.
+
+    Example:
+        >>> local_groups([{"params": ["a", "b"], "lr": 1}], [[1]], ["a", "b"])
+        [{'lr': 1, 'params': ['b']}]
+    """
+    names = [n for g in param_groups for n in g.get("param_names", ())]
+    groups = []
+    for g, members in enumerate(indices):
+        local = {k: v for k, v in param_groups[g].items() if k not in NOT_HYPER}
+        local["params"] = [params[i] for i in members]
+        if "param_names" in param_groups[g]:
+            local["param_names"] = [names[i] for i in members]
+        groups.append(local)
+    return groups
+
+
+def local_state_dict(
+    param_groups: Sequence[Mapping[str, Any]],
+    indices: Sequence[Sequence[int]],
+    states: Mapping[int, ParamState],
+    copy_tensors: bool,
+) -> dict[str, Any]:
+    """Return the state dict one rank's inner optimizer would hold (local positions).
+
+    Args:
+        param_groups: the global groups (hyperparameters are deep-copied from them).
+        indices: the rank's local view (per group, flat indices in inner order).
+        states: flat index -> state; entries outside the view are ignored.
+        copy_tensors: clone the tensors (else they are shared).
+
+    Example:
+        >>> sd = local_state_dict([{"params": [0, 1], "lr": 1}], [[1]], {1: {"n": 2}}, False)
+        >>> sd
+        {'state': {0: {'n': 2}}, 'param_groups': [{'lr': 1, 'params': [0]}]}
+    """
+    names = [n for g in param_groups for n in g.get("param_names", ())]
+    state: dict[int, ParamState] = {}
+    packed: list[dict[str, Any]] = []
+    position = 0
+    for g, members in enumerate(indices):
+        entry = {k: copy.deepcopy(v) for k, v in param_groups[g].items() if k not in NOT_HYPER}
+        if "param_names" in param_groups[g]:
+            entry["param_names"] = [names[i] for i in members]
+        entry["params"] = list(range(position, position + len(members)))
+        packed.append(entry)
+        for offset, index in enumerate(members):
+            if index in states:
+                state[position + offset] = {
+                    k: v.clone() if copy_tensors and isinstance(v, torch.Tensor) else v
+                    for k, v in states[index].items()
+                }
+        position += len(members)
+    return {"state": state, "param_groups": packed}
+
+
+def place_states(
+    inner: Any, params: Sequence[torch.Tensor], states: Mapping[int, ParamState]
+) -> None:
+    """Give the optimizer ``inner`` the ``states`` of its params (flat index -> state).
+
+    Tensors move to the param's device, except 0-dim ones (a ``step`` count), which stay on
+    CPU unless the param's group is ``fused`` or ``capturable`` (torch's own policy).
+    """
+    group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+    for index, state in states.items():
+        param = params[index]
+        group = group_of[id(param)]
+        on_device = group.get("fused") or group.get("capturable")
+        inner.state[param] = {
+            k: v.to(param.device if v.dim() > 0 or on_device else "cpu")
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in state.items()
+        }
 
 
 def group_offsets(group_sizes: Sequence[int]) -> list[int]:

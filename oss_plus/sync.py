@@ -54,8 +54,19 @@ from oss_plus._layout import (
     padded,
     plan,
 )
+from oss_plus.plan import Layout, ShardPlan, ShardPolicy
 
-__all__ = ["Bucket", "BucketSync", "Transport", "alignment", "bucket_numel", "wire_dtype_for"]
+__all__ = [
+    "Bucket",
+    "BucketSync",
+    "OrderedBucketSync",
+    "ParamBroadcast",
+    "Transport",
+    "alignment",
+    "bucket_numel",
+    "build_sync",
+    "wire_dtype_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -282,3 +293,66 @@ class BucketSync:
         work.wait()
         if dtype is not None and bucket.owner != self.rank:
             bucket.buffer.copy_(tensor)
+
+
+class OrderedBucketSync(BucketSync):
+    """torch's bucket views: each owner's trainable params back to back, in the given order.
+
+    Args:
+        params_by_owner: for every group-local rank, its params in partition order (frozen
+            ones are skipped).
+        group: the process group.
+    """
+
+    def __init__(self, params_by_owner: Sequence[Sequence[torch.Tensor]], group: Any) -> None:
+        super().__init__([[] for _ in params_by_owner], group, aligned=False)
+        for owner, params in enumerate(params_by_owner):
+            by_key: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+            for p in params:
+                if p.requires_grad:
+                    by_key.setdefault((str(p.device), p.dtype), []).append(p)
+            for members in by_key.values():
+                self.buckets.append(self._make_bucket(owner, members, aligned=False))
+        self._ptrs = self._current_ptrs()
+
+
+class ParamBroadcast(BucketSync):
+    """torch's default: one broadcast per param (frozen ones too), params keep their storage.
+
+    Each "bucket" is a single param whose buffer is ``param.data`` itself, so nothing is
+    copied and :meth:`release` has nothing to give back.
+
+    Args:
+        params_by_owner: for every group-local rank, its params in partition order.
+        group: the process group.
+    """
+
+    def __init__(self, params_by_owner: Sequence[Sequence[torch.Tensor]], group: Any) -> None:
+        super().__init__([[] for _ in params_by_owner], group, aligned=False)
+        for owner, params in enumerate(params_by_owner):
+            self.buckets.extend(Bucket(owner, p.data, [p]) for p in params)
+        self._ptrs = self._current_ptrs()
+
+    def release(self) -> None:
+        """Drop the layout; params already own their storage."""
+        self.buckets = []
+        self._ptrs = []
+
+
+def build_sync(
+    params: Sequence[torch.Tensor], plan: ShardPlan, policy: ShardPolicy, group: Any
+) -> BucketSync:
+    """Build the sync of ``policy.layout`` for ``params`` (flat order) owned as in ``plan``.
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    if policy.layout is Layout.OWNER_BUCKETS:
+        by_owner = [[params[i] for i in plan.owned(r)] for r in range(plan.world_size)]
+        return BucketSync(by_owner, group, aligned=policy.aligned, transport=policy.transport)
+    by_local = [
+        [params[i] for indices in plan.local_indices(r) for i in indices]
+        for r in range(plan.world_size)
+    ]
+    if policy.layout is Layout.ORDERED_BUCKETS:
+        return OrderedBucketSync(by_local, group)
+    return ParamBroadcast(by_local, group)

@@ -387,7 +387,7 @@ def traffic_task(ctx, root, sharded, chunk):
             setattr(dist, name, fn)
     state_bytes = sum(
         v.numel() * v.element_size()
-        for s in opt._local_states().values()
+        for s in opt.export_local_state().values()
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
@@ -426,7 +426,7 @@ def reads_task(ctx, root):
         load_checkpoint(fresh, root)
     finally:
         _ckpt_read._read_tensor = original
-    return read, fresh._owned_indices()
+    return read, fresh.plan.owned(fresh.rank)
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "consolidated"])

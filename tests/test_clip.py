@@ -30,7 +30,7 @@ def exact_norm(grads, p):
 
 
 def owned_mask(opt):
-    return [opt.param_to_rank[p] == opt.rank for p in opt._flat_params()]
+    return [opt.param_to_rank[p] == opt.rank for p in opt.flat_params()]
 
 
 def grads_of(model):

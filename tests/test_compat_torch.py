@@ -61,7 +61,8 @@ def one_bad_rank_task(ctx):
 def test_bad_params_on_one_rank_raise_on_every_rank(pool):
     results = pool.run(one_bad_rank_task, world_size=3, timeout=30)
     assert results[1] == ("ValueError", PARAMS_EMPTY)
-    assert results[0][0] == results[2][0] == "RuntimeError" and "[1]" in results[0][1]
+    assert results[0][0] == results[2][0] == "ValueError" and "[1]" in results[0][1]
+    assert PARAMS_EMPTY in results[0][1] and PARAMS_EMPTY in results[2][1]
 
 
 # ------------------------------------------------------------------ training and layout

@@ -188,7 +188,7 @@ def parity_task(ctx, opt_name, configs, iters):
         )
         ref = build(ctx, copy.deepcopy(model), opt_name, static=static)
         same = train_both(ctx, pair, ref, range(iters), decay_lr=True)
-        layout = pair[1]._sync
+        layout = pair[1].sync
         owners = {b.owner for b in layout.buckets} if isinstance(layout, OverlapSync) else set()
         out.append(
             {
@@ -310,7 +310,7 @@ def reallocation_task(ctx):
         for p in pair[0].parameters():
             p.data = p.data.clone()
     same += train_both(ctx, pair, ref, range(3, 6))
-    return same, pair[1]._sync.is_intact()
+    return same, pair[1].sync.is_intact()
 
 
 def test_params_reallocated_between_iterations(pool):

@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from oss_plus._overlap_layout import OverlapSync
 from oss_plus._overlap_plan import Assignment, local_order, torch_assignments
-from oss_plus.consolidate import Transfer, exchange_states
 from oss_plus.overlap import CommHook, DDPOverlap
+from oss_plus.partition import Rule
+from oss_plus.plan import ShardPlan
 
 if TYPE_CHECKING:
     from oss_plus.compat.torch import ZeroRedundancyOptimizer
@@ -156,11 +158,6 @@ def plan_overlap(
     )
 
 
-def _copy_hyper(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
-    for s, d in zip(src, dst):
-        d.update({k: v for k, v in s.items() if k not in ("params", "param_names")})
-
-
 def init_overlap(
     zero: ZeroRedundancyOptimizer, buckets: list[list[torch.Tensor]], shard_buckets: bool
 ) -> None:
@@ -173,18 +170,21 @@ def init_overlap(
 
     .. warning:: Collective: runs on every rank of ``zero.process_group`` (inside the hook).
     """
-    old = [o for owners in zero._owners for o in owners]
-    local = zero._local_states()
-    _copy_hyper(zero.param_groups, zero.optim.param_groups)
-    plan = plan_overlap(zero._flat_params(), buckets, zero.world_size, shard_buckets)
+    flat = zero.flat_params()
+    plan = plan_overlap(flat, buckets, zero.world_size, shard_buckets)
     zero._overlap = plan
-    zero._owners = zero._plan()
-    moves = [Transfer(i, a, b) for i, (a, b) in enumerate(zip(old, plan.owners)) if a != b]
-    arrived = exchange_states(local, moves, zero.group, out_device=None)
-    kept = {i: s for i, s in local.items() if plan.owners[i] == zero.rank}
-    zero.optim = zero._build_local_optimizer({**kept, **arrived})
-    _copy_hyper(zero.optim.param_groups, zero.param_groups)
-    zero._rebuild_sync()
+    shard = ShardPlan(
+        world_size=zero.world_size,
+        rule=Rule.TORCH,
+        group_sizes=(len(flat),),
+        owners=plan.owners,
+        local=tuple((tuple(view),) for view in plan.local),
+        numels=tuple(p.numel() for p in flat),
+        trainable=tuple(p.requires_grad for p in flat),
+    )
+    zero.repartition(shard, pin=True)
+    # pieces are laid out as DDP's buckets arrive
+    zero.install_sync(lambda: OverlapSync(zero.group))
     logger.info(
         "overlap_with_ddp initialized: %d DDP buckets, %d assignments, %d params on rank %d",
         len(buckets),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +30,9 @@ from torch.optim import SGD, Optimizer
 from oss_plus import _dist
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat._install import install, is_installed, uninstall
-from oss_plus.partition import ParamSpec, Rule
-from oss_plus.sync import Bucket, BucketSync
+from oss_plus.partition import Rule
+from oss_plus.plan import Layout, LocalOrder, ShardPolicy
+from oss_plus.sync import Bucket
 
 __all__ = ["OSS", "install", "is_installed", "uninstall"]
 
@@ -41,6 +42,14 @@ logger = logging.getLogger(__name__)
 ALL_STATES_READ_ONLY = (
     "OSS._all_states is derived from the consolidated state; only `opt._all_states = []` "
     "(drop the consolidated copy) can be assigned, got a {kind}"
+)
+
+
+#: fairscale's partition (given order, frozen params weigh 1), local order (as given) and
+#: layout (params back to back: unaligned views make CPU matmul kernels round differently
+#: from standalone tensors, and packing like fairscale is what makes results bit-identical).
+FAIRSCALE_POLICY = ShardPolicy(
+    rule=Rule.FAIRSCALE, local_order=LocalOrder.RULE, layout=Layout.OWNER_BUCKETS, aligned=False
 )
 
 
@@ -89,29 +98,13 @@ class OSS(CompatOSS):
             broadcast_buffer_size,
             broadcast_fp16,
             force_broadcast_object,
-            partition_rule=Rule.FAIRSCALE,
+            shard_policy=FAIRSCALE_POLICY,
             **default,
         )
         self.backend = dist.get_backend(self.group)
         self._local_to_global_rank = [
             _dist.global_rank(self.group, r) for r in range(self.world_size)
         ]
-
-    def _local_order(self, specs: Sequence[ParamSpec]) -> list[int]:
-        """fairscale's order: each rank's params in the order they were given."""
-        return self._rule.order(specs)
-
-    def _build_sync(self) -> BucketSync:
-        """fairscale's layout: params back to back (no alignment padding).
-
-        Unaligned views make CPU matmul kernels round differently from standalone tensors;
-        packing like fairscale is what makes the results bit-identical to fairscale's.
-        """
-        flat = self._flat_params()
-        by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for index, owner in enumerate(o for owners in self._owners for o in owners):
-            by_owner[owner].append(flat[index])
-        return BucketSync(by_owner, self.group, aligned=False)
 
     # ----------------------------------------------------------------- fairscale attributes
     @property
@@ -122,7 +115,7 @@ class OSS(CompatOSS):
     @property
     def _param_to_index(self) -> dict[int, int]:
         """Map ``id(param)`` to its index in the flattened global param groups."""
-        return {id(p): i for i, p in enumerate(self._flat_params())}
+        return {id(p): i for i, p in enumerate(self.flat_params())}
 
     @property
     def _per_device_params(self) -> dict[torch.device, list[list[torch.Tensor]]]:
@@ -148,7 +141,7 @@ class OSS(CompatOSS):
 
     @property
     def _default_device(self) -> torch.device:
-        return self._flat_params()[0].device
+        return self.flat_params()[0].device
 
     @property
     def buckets(self) -> dict[torch.device, dict[int, Bucket]]:
@@ -159,7 +152,7 @@ class OSS(CompatOSS):
         dtype and ``sync_buckets.buckets`` lists them all.
         """
         result: dict[torch.device, dict[int, Bucket]] = OrderedDict()
-        for bucket in self._sync.buckets:
+        for bucket in self.sync.buckets:
             result.setdefault(bucket.buffer.device, {}).setdefault(bucket.owner, bucket)
         return result
 
@@ -177,7 +170,7 @@ class OSS(CompatOSS):
     def _all_states(self, value: list[dict[str, Any]]) -> None:
         if not isinstance(value, list) or value:
             raise ValueError(ALL_STATES_READ_ONLY.format(kind=type(value).__name__))
-        self._consolidated = None
+        self.drop_consolidated()
 
     # ----------------------------------------------------------------- clipping
     def clip_grad_norm(  # type: ignore[override]

@@ -25,17 +25,15 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from oss_plus import _dist
-from oss_plus._overlap_layout import OverlapSync
+from oss_plus import _dist, _params
 from oss_plus.compat._base import CompatOSS
-from oss_plus.compat._torch_sync import OrderedBucketSync, ParamBroadcast
 from oss_plus.compat.ddp_zero_hook import (
     OverlapPlan,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
 )
 from oss_plus.partition import Rule
-from oss_plus.sync import BucketSync
+from oss_plus.plan import Layout, ShardPolicy
 
 __all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -235,32 +233,21 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
             self._raise_on_every_rank(error, process_group)
         if overlap_with_ddp and parameters_as_bucket_view:
             logger.warning(OVERLAP_BUCKET_VIEW)
-        super().__init__(
-            params, optimizer_class, process_group, partition_rule=Rule.TORCH, **defaults
-        )
+        layout = Layout.PER_PARAM
+        if parameters_as_bucket_view and not overlap_with_ddp:
+            layout = Layout.ORDERED_BUCKETS
+        policy = ShardPolicy(rule=Rule.TORCH, layout=layout, aligned=False)
+        super().__init__(params, optimizer_class, process_group, shard_policy=policy, **defaults)
         Joinable.__init__(self)
+        self._zero_ready = True
 
     def _raise_on_every_rank(self, error: Exception, process_group: Any) -> NoReturn:
-        """Raise ``error`` here and a RuntimeError on the ranks whose params were fine.
+        """Raise ``error`` here and an error on the ranks whose params were fine.
 
-        Takes part in the same all_gather the core's constructor makes on the other ranks.
+        Takes part in the same collective the core's constructor makes on the other ranks.
         """
-        self.group = _dist.resolve_group(process_group)
-        self._initialized = False
-        self._check_same_model(error)
-        raise error  # _check_same_model raised it already; for type checkers
-
-    def _build_sync(self) -> BucketSync:
-        if self._overlap is not None:
-            return OverlapSync(self.group)  # pieces are laid out as DDP's buckets arrive
-        flat = self._flat_params()
-        by_owner = [
-            [flat[i] for indices in self._local_indices(rank) for i in indices]
-            for rank in range(self.world_size)
-        ]
-        if self.parameters_as_bucket_view and not self._overlap_with_ddp:
-            return OrderedBucketSync(by_owner, self.group)
-        return ParamBroadcast(by_owner, self.group)
+        _params.check_same_model(None, error, _dist.resolve_group(process_group))
+        raise error  # check_same_model raised it already; for type checkers
 
     # ----------------------------------------------------------------- torch attributes
     @property
@@ -270,16 +257,16 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
 
     @property
     def initialized(self) -> bool:
-        return self._initialized
+        return getattr(self, "_zero_ready", False)
 
     @property
     def _all_params(self) -> list[torch.Tensor]:
         """Every param of every group, in order (including groups added later)."""
-        return self._flat_params()
+        return self.flat_params()
 
     @property
     def _default_device(self) -> torch.device:
-        return self._flat_params()[0].device
+        return self.flat_params()[0].device
 
     @property
     def _param_to_rank(self) -> dict[torch.Tensor, int]:
@@ -287,11 +274,11 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
 
     @property
     def _param_to_index(self) -> dict[torch.Tensor, int]:
-        return {p: i for i, p in enumerate(self._flat_params())}
+        return {p: i for i, p in enumerate(self.flat_params())}
 
     @property
     def _index_to_param(self) -> list[torch.Tensor]:
-        return self._flat_params()
+        return self.flat_params()
 
     @property
     def _all_state_dicts(self) -> list[dict[str, Any]]:
@@ -350,21 +337,11 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
 
         .. warning:: Collective: call on every rank of ``process_group`` with the same group.
         """
-        if self._initialized and self._overlap_with_ddp:
+        if self.initialized and self._overlap_with_ddp:
             raise RuntimeError(OVERLAP_ONE_GROUP)
         super().add_param_group(param_group)
 
     # ----------------------------------------------------------------- overlap_with_ddp
-    def _plan(self, keep: bool = False) -> list[list[int]]:
-        if self._overlap is not None:
-            return [list(self._overlap.owners)]
-        return super()._plan(keep)
-
-    def _local_indices(self, rank: int | None = None) -> list[list[int]]:
-        if self._overlap is not None:
-            return [list(self._overlap.local[self.rank if rank is None else rank])]
-        return super()._local_indices(rank)
-
     def _step_and_sync(
         self, closure: Callable[[], float] | None = None, **kwargs: Any
     ) -> float | None:
@@ -390,6 +367,6 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
             RuntimeError: :meth:`consolidate_state_dict` was not called for this rank since
                 the last step.
         """
-        if self._consolidated is None:
+        if self.consolidated_state is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         return super().state_dict()

@@ -1,0 +1,114 @@
+"""The ``torch.optim`` state-dict API of :class:`oss_plus.OSS`, built on its extension contract.
+
+:class:`ShardedStateDict` is a mixin of :class:`oss_plus.OSS`: it uses only the public
+contract (:attr:`~oss_plus.OSS.plan`, :meth:`~oss_plus.OSS.export_local_state`,
+:meth:`~oss_plus.OSS.import_local_state`, ``group``, ``rank``, ``world_size``), and owns the
+consolidated copy of the state, which :meth:`drop_consolidated` forgets (``step()`` calls it).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
+from oss_plus.state import (
+    ParamState,
+    copy_hyper,
+    pack_param_groups,
+    saved_state_by_flat_index,
+    validate_state_dict,
+)
+
+__all__ = ["NOT_CONSOLIDATED", "ShardedStateDict"]
+
+#: Raised by :meth:`ShardedStateDict.state_dict` when nothing was consolidated on this rank.
+NOT_CONSOLIDATED = (
+    "the optimizer state has not been consolidated on this rank: call "
+    "consolidate_state_dict(recipient_rank={rank}) on every rank first, or "
+    "state_dict(all_ranks=True) on every rank"
+)
+
+
+class ShardedStateDict:
+    """``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict`` for a sharded optimizer."""
+
+    _consolidated_copy: dict[int, ParamState] | None = None
+    # provided by oss_plus.OSS
+    group: Any
+    rank: int
+    world_size: int
+    param_groups: list[dict[str, Any]]
+    optim: Any
+
+    @property
+    def consolidated_state(self) -> Mapping[int, ParamState] | None:
+        """The state consolidated on this rank (flat index -> state, read-only), or None."""
+        if self._consolidated_copy is None:
+            return None
+        return types.MappingProxyType(self._consolidated_copy)
+
+    def drop_consolidated(self) -> None:
+        """Forget the consolidated state on this rank (also done at every step)."""
+        self._consolidated_copy = None
+
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """Gather the full optimizer state on ``recipient_rank`` (-1: on every rank).
+
+        Tensors move by send/recv (or broadcast for -1); only shapes, dtypes and plain values
+        travel as objects. Other ranks keep no copy. The result is read by
+        :meth:`state_dict` and dropped at the next ``step()``.
+
+        Raises:
+            ValueError: ``recipient_rank`` is not -1 or a rank of ``group``.
+
+        .. warning:: Collective: call on every rank of ``group``.
+        """
+        if not -1 <= recipient_rank < self.world_size:
+            raise ValueError(
+                f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
+                f"got {recipient_rank}"
+            )
+        copy_hyper(self.param_groups, self.optim.param_groups)
+        dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
+        owners = self.plan.owners  # type: ignore[attr-defined]
+        transfers = [Transfer(i, owner, dst) for i, owner in enumerate(owners)]
+        self._consolidated_copy = None
+        local = self.export_local_state()  # type: ignore[attr-defined]
+        received = exchange_states(local, transfers, self.group)
+        if dst in (ALL_RANKS, self.rank):
+            self._consolidated_copy = received
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """Return the full state in the plain ``torch.optim`` format.
+
+        Keys of ``state`` are flat indices over the global param groups, so the dict loads
+        into a plain torch optimizer or into OSS at any world size.
+
+        Args:
+            all_ranks: consolidate on every rank first (collective).
+
+        Raises:
+            RuntimeError: nothing was consolidated on this rank.
+        """
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        if self._consolidated_copy is None:
+            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
+        state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
+        return {"state": state, "param_groups": pack_param_groups(self.param_groups)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (oss_plus, fairscale OSS, torch ZeRO or plain torch).
+
+        Each rank keeps the state of the params it owns. ``state_dict`` is not modified and
+        no tensor of it is aliased by the optimizer. Not collective.
+
+        Raises:
+            ValueError: the state dict does not fit the param groups (count, sizes, shapes).
+        """
+        shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
+        validate_state_dict(state_dict, shapes)
+        states = saved_state_by_flat_index(state_dict)
+        self.import_local_state(states, state_dict["param_groups"])  # type: ignore[attr-defined]
