@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks import cli, impls, report
-from benchmarks.impls import IMPLS, Impl
-from benchmarks.step_bench import BenchConfig, run
+from oss_plus.bench import cli, impls, report
+from oss_plus.bench.impls import IMPLS, Impl
+from oss_plus.bench.step_bench import BenchConfig, run
 from oss_plus.cli import build_parser, main
 
 TINY = [

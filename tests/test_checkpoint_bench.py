@@ -2,7 +2,7 @@
 
 import statistics
 
-from benchmarks import checkpoint_bench
+from oss_plus.bench import checkpoint_bench
 
 
 def _measured(save: float) -> dict:
