@@ -205,6 +205,8 @@ def _available(impl: str) -> str | None:
     """Return why ``impl`` cannot run here, or None."""
     if impl == "fairscale" and importlib.util.find_spec("fairscale") is None:
         return "fairscale is not installed (pip install fairscale==0.4.13)"
+    if impl.startswith("disk floor") and importlib.util.find_spec("numpy") is None:
+        return "numpy is not installed (the floor writes tensor bytes through numpy)"
     return None
 
 
