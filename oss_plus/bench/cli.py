@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from oss_plus.bench import report
 from oss_plus.bench.impls import IMPLS
@@ -43,7 +44,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     Raises:
         ValueError: an invalid value (see :class:`BenchConfig`).
     """
-    values: dict[str, object] = dict(QUICK, impls=QUICK_IMPLS) if args.quick else {}
+    values: dict[str, Any] = dict(QUICK, impls=QUICK_IMPLS) if args.quick else {}
     flags = {
         "size": args.size,
         "width": args.width,

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS
 from oss_plus._launch import pick_backend, run_local, threads_per_rank
-from oss_plus.bench.impls import OPTIMIZERS
+from oss_plus.bench.impls import OPTIMIZERS, check_common, linear_layers
 from oss_plus.bench.measure import device, timed
 from oss_plus.overlap import overlap_with_ddp
 
@@ -81,24 +81,17 @@ class DDPBenchConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
+        check_common(self, ("width", "batch", "world_size", "steps", "rounds"))
         unknown = [k for k in self.impls if k not in ROWS]
         if unknown:
             raise ValueError(f"unknown --impls {unknown}: choose from {list(ROWS)}")
-        for name in ("width", "batch", "world_size", "steps", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
         if self.size <= 0 or self.bucket_cap_mb <= 0 or self.warmup < 3:
             raise ValueError("size and bucket cap must be > 0 and warmup >= 3 (torch's overlap)")
 
     @property
     def layers(self) -> int:
-        return max(1, round(self.size * 1e6 / (self.width * self.width + self.width)))
+        """How many ``Linear(width, width)`` layers make ``size`` million params."""
+        return linear_layers(self.size, self.width)
 
 
 # ---------------------------------------------------------------------- on every rank

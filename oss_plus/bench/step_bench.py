@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from oss_plus._launch import pick_backend, run_local, threads_per_rank
-from oss_plus.bench.impls import IMPLS, OPTIMIZERS
+from oss_plus.bench.impls import IMPLS, check_common, linear_layers
 from oss_plus.bench.step_ranks import memory_rank, profile_rank, timing_rank
 
 #: Rows of the size / world-size sweeps (when available).
@@ -70,19 +70,11 @@ class BenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
+        check_common(self, ("width", "world_size", "steps", "rounds"))
         named = (*self.impls, *self.sweep_impls, *self.profile, *(self.memory_impls or ()))
         unknown = [k for k in named if k not in IMPLS]
         if unknown:
             raise ValueError(f"unknown implementation(s) {unknown}: choose from {list(IMPLS)}")
-        for name in ("width", "world_size", "steps", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
         if (
             self.size <= 0
             or any(s <= 0 for s in self.sweep_sizes)
@@ -94,8 +86,7 @@ class BenchConfig:
 
     def layers(self, size: float | None = None) -> int:
         """Return how many Linear(width, width) layers make ``size`` million params (>= 1)."""
-        per_layer = self.width * self.width + self.width
-        return max(1, round((self.size if size is None else size) * 1e6 / per_layer))
+        return linear_layers(self.size if size is None else size, self.width)
 
 
 @dataclass
