@@ -1,9 +1,14 @@
-"""Run a function on N local gloo ranks (used by the demo and the benchmarks)."""
+"""Local ranks on this machine: a free port, the process group, and a spawn-and-collect runner.
+
+The one place that starts ``torch.distributed`` on 127.0.0.1: the demo, the benchmarks and the
+test pool (:mod:`oss_plus.testing`) all join their groups through :func:`init_local_group`.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -12,46 +17,113 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: Seconds a collective of :func:`run_local`'s ranks may wait before giving up (a hung peer).
+PG_TIMEOUT_S = 300.0
+
 
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pick_backend(requested: str, world_size: int) -> str:
+    """Return ``"nccl"`` when asked for (or ``"auto"`` with a GPU per rank), else ``"gloo"``.
+
+    Raises:
+        ValueError: NCCL was requested but there are fewer GPUs than ranks.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPU(s); "
+            "use --backend gloo"
+        )
+    if requested == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    return requested
+
+
+def threads_per_rank(requested: int, world_size: int) -> int:
+    """Return the intra-op threads of each rank: ``requested``, or cores // ranks (>= 1)."""
+    return requested if requested > 0 else max(1, (os.cpu_count() or 1) // world_size)
+
+
+def init_local_group(
+    rank: int, world_size: int, port: int, backend: str = "gloo", timeout_s: float = PG_TIMEOUT_S
+) -> None:
+    """Join the default process group of ``world_size`` local ranks (TCP store on ``port``)."""
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    init_local_group(rank, world, port, backend)
     try:
-        queue.put((rank, fn(rank, world, *args)))
+        queue.put((rank, True, fn(rank, world, *args)))
+    except Exception:  # noqa: BLE001 - shipped to the parent, re-raised there
+        queue.put((rank, False, traceback.format_exc()))
+        raise
     finally:
         dist.destroy_process_group()
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    threads: int = 0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` freshly spawned local ranks.
+
+    Each call starts new processes, so memory figures (RSS, peak RSS) start clean.
+
+    Args:
+        fn: A module-level function (it is pickled by reference into the children).
+        world_size: Number of ranks.
+        *args: Passed to ``fn`` after the rank and world size (picklable).
+        backend: ``"gloo"`` or ``"nccl"`` (rank ``r`` then uses GPU ``r``).
+        threads: Intra-op threads per rank; 0 for cores // ranks.
 
     Returns:
         The return values, ordered by rank.
+
+    Raises:
+        RuntimeError: A rank raised (its traceback is in the message).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), fn, args, queue),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
-    results = dict(queue.get() for _ in range(world_size))
+    spec = (world_size, free_port(), backend, threads_per_rank(threads, world_size))
+    try:
+        mp.start_processes(
+            _entry, args=(*spec, fn, args, queue), nprocs=world_size, start_method="spawn"
+        )
+    except mp.ProcessRaisedException as exc:
+        raise RuntimeError(f"a local rank failed:\n{exc}") from None
+    results: dict[int, Any] = {}
+    while not queue.empty():
+        rank, ok, value = queue.get()
+        if not ok:
+            raise RuntimeError(f"local rank {rank} failed:\n{value}")
+        results[rank] = value
     return [results[r] for r in range(world_size)]

@@ -14,18 +14,9 @@ from collections.abc import Sequence
 #: Subcommand name -> module that registers it.
 COMMANDS = {
     "demo": "oss_plus.demo",
-    "bench": "benchmarks.cli",
+    "bench": "oss_plus.bench.cli",
     "ckpt": "oss_plus.checkpoint_cli",
 }
-
-
-def _register_unavailable(sub: argparse._SubParsersAction, name: str, reason: str) -> None:
-    parser = sub.add_parser(name, help=f"(unavailable: {reason})")
-
-    def fail(_: argparse.Namespace) -> int:
-        raise RuntimeError(f"'{name}' is unavailable here: {reason}")
-
-    parser.set_defaults(func=fail)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,18 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="oss_plus: sharded optimizer state (ZeRO-1) for torch.distributed.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module_name.startswith(exc.name):
-                raise
-            where = (
-                "run it from a source checkout of oss_plus" if name == "bench" else "not built yet"
-            )
-            _register_unavailable(sub, name, where)
-            continue
-        module.register(sub)
+    for module_name in COMMANDS.values():
+        importlib.import_module(module_name).register(sub)
     return parser
 
 

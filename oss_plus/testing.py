@@ -39,7 +39,6 @@ import pickle
 import queue
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -52,6 +51,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from oss_plus._launch import free_port, init_local_group
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +116,6 @@ class RankContext:
     device: torch.device = torch.device("cpu")
 
 
-def _free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _watch_parent() -> None:
     """Ends this worker as soon as its parent (or the forkserver) is gone."""
     ppid, parent = os.getppid(), mp.parent_process()
@@ -171,13 +165,7 @@ def _worker_main(
     timeout = timedelta(seconds=pg_timeout_s)
     try:
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=global_rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        init_local_group(global_rank, world_size, port, timeout_s=pg_timeout_s)
         groups: dict[Ranks, dist.ProcessGroup] = {}
         for ranks in (r for r in GROUP_RANKS if max(r) < world_size):
             group = dist.new_group(list(ranks), timeout=timeout)
@@ -233,7 +221,7 @@ class WorkerPool:
         """Starts all workers, retrying with a new port if the rendezvous fails."""
         for attempt in range(1, attempts + 1):
             begin = time.monotonic()
-            port = _free_port()
+            port = free_port()
             self._results = self._ctx.Queue()
             self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
             spec = (self.world_size, port, self.pg_timeout_s)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks import cli, impls, report
-from benchmarks.impls import IMPLS, Impl
-from benchmarks.step_bench import BenchConfig, run
+from oss_plus.bench import cli, impls, report
+from oss_plus.bench.impls import IMPLS, Impl
+from oss_plus.bench.step_bench import BenchConfig, run
 from oss_plus.cli import build_parser, main
 
 TINY = [
@@ -121,6 +121,9 @@ def test_quick_and_flags_build_the_config():
         (["--impls", "oss_plus,deepspeed"], "unknown implementation(s) ['deepspeed']"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--backend", "mpi"], "--backend must be auto, gloo or nccl"),
+        (["--ddp", "--checkpoint"], "--ddp and --checkpoint are two benchmarks: pick one"),
+        (["--checkpoint", "--impls", "orbax"], "unknown --impls ['orbax'] for --checkpoint"),
+        (["--ddp", "--impls", "deepspeed"], "unknown --impls ['deepspeed']: choose from"),
     ],
 )
 def test_bad_flags_are_one_line_errors(flags, message, capsys):

@@ -1,8 +1,10 @@
 """The checkpoint benchmark's disk floors and report (no timing asserts)."""
 
+import json
 import statistics
 
-from benchmarks import checkpoint_bench
+from oss_plus.bench import checkpoint_bench
+from oss_plus.cli import main
 
 
 def _measured(save: float) -> dict:
@@ -33,8 +35,11 @@ def test_report_compares_each_layout_with_its_disk_floor():
     assert "the floor itself is 5.0x faster than fairscale" in line
 
 
-def test_disk_floors_write_the_state_bytes_durably_and_replace_the_previous_file():
-    summary = checkpoint_bench.run(0.01, 2, 2, 1, ("disk floor sharded", "disk floor consolidated"))
+def test_disk_floors_write_the_state_bytes_durably_and_replace_the_previous_file(tmp_path):
+    floors = "disk floor sharded,disk floor consolidated"
+    tiny = ["--size", "0.01", "--world-size", "2", "--steps", "2", "--rounds", "1"]
+    assert main(["bench", "--checkpoint", *tiny, "--impls", floors, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "checkpoint_bench.json").read_text())
     sharded, consolidated = summary["disk floor sharded"], summary["disk floor consolidated"]
     # two Adam tensors per param (exp_avg, exp_avg_sq) of float32; the floors keep one file
     # per writer: the previous save's file is gone after each save

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from oss_plus._launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PRELUDE = textwrap.dedent(
@@ -90,19 +92,11 @@ SCENARIO = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("finder", ["Hide", "Broken"])
 def test_install_serves_fairscale_imports_without_a_working_fairscale(finder):
     """The adapters import without fairscale; install() makes both import paths resolve to
     the adapter, which trains; uninstall() restores the previous state."""
-    script = PRELUDE.format(finder=finder) + SCENARIO.format(port=_free_port())
+    script = PRELUDE.format(finder=finder) + SCENARIO.format(port=free_port())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", script],

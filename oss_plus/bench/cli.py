@@ -1,13 +1,18 @@
-"""``python -m oss_plus bench``: the side-by-side step benchmark from the command line."""
+"""``oss-plus bench`` (``python -m oss_plus bench``): the benchmarks from the command line.
+
+The step benchmark by default; ``--ddp`` for full DDP iterations, ``--checkpoint`` for
+checkpoint save / load.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from benchmarks import report
-from benchmarks.impls import IMPLS
-from benchmarks.step_bench import BenchConfig, run
+from oss_plus.bench import report
+from oss_plus.bench.impls import IMPLS
+from oss_plus.bench.step_bench import BenchConfig, run
 
 #: ``--quick``: one round, few steps, no sweeps; the main rows only.
 QUICK = {
@@ -39,7 +44,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     Raises:
         ValueError: an invalid value (see :class:`BenchConfig`).
     """
-    values: dict[str, object] = dict(QUICK, impls=QUICK_IMPLS) if args.quick else {}
+    values: dict[str, Any] = dict(QUICK, impls=QUICK_IMPLS) if args.quick else {}
     flags = {
         "size": args.size,
         "width": args.width,
@@ -62,14 +67,20 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         values["memory"] = False
     if args.blocks:
         values["interleave"] = False
-    return BenchConfig(**values)  # type: ignore[arg-type]
+    return BenchConfig(**values)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.ddp and args.checkpoint:
+        raise ValueError("--ddp and --checkpoint are two benchmarks: pick one")
     if args.ddp:
-        from benchmarks import ddp_bench
+        from oss_plus.bench import ddp_bench
 
         return ddp_bench.main_from_args(args)
+    if args.checkpoint:
+        from oss_plus.bench import checkpoint_bench
+
+        return checkpoint_bench.main_from_args(args)
     cfg = config_from_args(args)
     result = run(cfg, log=lambda line: print(f"[bench] {line}", flush=True))
     print()
@@ -129,6 +140,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ddp",
         action="store_true",
         help="time full DDP training iterations instead (forward, backward, step), with the "
-        "step overlapped with backward against the other optimizers: benchmarks/ddp_bench.py",
+        "step overlapped with backward against the other optimizers (oss_plus.bench.ddp_bench)",
+    )
+    add(
+        "--checkpoint",
+        action="store_true",
+        help="time checkpoint save and load against fairscale, torch ZeRO and the disk floor "
+        "instead (--size, --world-size, --rounds; --steps: saves per round; --impls from "
+        "oss_plus.bench.checkpoint_bench.IMPLEMENTATIONS)",
     )
     bench.set_defaults(func=_run)

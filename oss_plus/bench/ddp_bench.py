@@ -1,6 +1,6 @@
 """The DDP benchmark: full training iterations (forward, backward, step) side by side.
 
-``python -m benchmarks.ddp_bench`` (or ``python -m oss_plus bench --ddp``) times, in one set
+``oss-plus bench --ddp`` (or ``python -m oss_plus.bench.ddp_bench``) times, in one set
 of spawned ranks, DDP + each optimizer row below on the same model, data and ranks:
 
 * ``oss_plus_overlap`` / ``oss_plus_overlap_interleaved``: :func:`oss_plus.overlap.overlap_with_ddp`
@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import json
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.impls import OPTIMIZERS
-from benchmarks.launch import pick_backend, run_ranks, threads_per_rank
 from oss_plus import OSS
+from oss_plus._launch import pick_backend, run_local, threads_per_rank
+from oss_plus.bench.impls import OPTIMIZERS, check_common, linear_layers
+from oss_plus.bench.measure import device, timed
 from oss_plus.overlap import overlap_with_ddp
 
 #: Rows, in table order: (label, needs).
@@ -80,39 +81,30 @@ class DDPBenchConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
+        check_common(self, ("width", "batch", "world_size", "steps", "rounds"))
         unknown = [k for k in self.impls if k not in ROWS]
         if unknown:
             raise ValueError(f"unknown --impls {unknown}: choose from {list(ROWS)}")
-        for name in ("width", "batch", "world_size", "steps", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
         if self.size <= 0 or self.bucket_cap_mb <= 0 or self.warmup < 3:
             raise ValueError("size and bucket cap must be > 0 and warmup >= 3 (torch's overlap)")
 
     @property
     def layers(self) -> int:
-        return max(1, round(self.size * 1e6 / (self.width * self.width + self.width)))
+        """How many ``Linear(width, width)`` layers make ``size`` million params."""
+        return linear_layers(self.size, self.width)
 
 
 # ---------------------------------------------------------------------- on every rank
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _model(cfg: DDPBenchConfig) -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(cfg.layers):
         layers += [torch.nn.Linear(cfg.width, cfg.width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers).to(_device())
+    return torch.nn.Sequential(*layers).to(device())
+
+
+def _claims_nccl(group: Any = None) -> Any:
+    return "nccl"
 
 
 @contextlib.contextmanager
@@ -121,7 +113,7 @@ def _torch_gloo_guard_bypassed() -> Iterator[None]:
     from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 
     original = dist.get_backend
-    ddp_zero_hook.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    ddp_zero_hook.dist.get_backend = _claims_nccl
     try:
         yield
     finally:
@@ -177,26 +169,19 @@ def _row(cfg: DDPBenchConfig, key: str, model: torch.nn.Module, slowest: torch.T
     ddp = DDP(copy.deepcopy(model), bucket_cap_mb=cfg.bucket_cap_mb)
     step = _build(key, ddp, cfg.optimizer)
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
-    batches = [torch.randn(cfg.batch, cfg.width, generator=gen).to(_device()) for _ in range(4)]
+    batches = [torch.randn(cfg.batch, cfg.width, generator=gen).to(device()) for _ in range(4)]
     for i in range(cfg.warmup):
         _iteration(ddp, step, batches[i % 4])
     times = []
     for i in range(cfg.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        _iteration(ddp, step, batches[i % 4])
-        if _device().type == "cuda":
-            torch.cuda.synchronize()
-        slowest.fill_(time.perf_counter() - start)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times.append(float(slowest))
+        times += timed(functools.partial(_iteration, ddp, step, batches[i % 4]), 1, slowest)
     final = torch.cat([p.detach().reshape(-1).cpu() for p in ddp.parameters()])
     return {"times": times, "final": final}
 
 
 def timing_rank(rank: int, world: int, cfg: DDPBenchConfig, keys: list[str]) -> dict[str, Any]:
     """Time every row of ``keys`` (rank 0's result is used)."""
-    slowest = torch.zeros(1, dtype=torch.float64, device=_device())
+    slowest = torch.zeros(1, dtype=torch.float64, device=device())
     model = _model(cfg)
     out: dict[str, Any] = {k: {"times": []} for k in keys}
     finals: dict[str, torch.Tensor] = {}
@@ -232,7 +217,7 @@ def run(cfg: DDPBenchConfig, log: Callable[[str], None] = print) -> dict[str, An
         f"{cfg.batch}, {cfg.optimizer}, {cfg.world_size} ranks ({backend}, {threads} thread(s) "
         f"each), {cfg.rounds} rounds x {cfg.steps} iterations, rows: {', '.join(keys)}"
     )
-    raw = run_ranks(timing_rank, cfg.world_size, backend, threads, cfg, keys)[0]
+    raw = run_local(timing_rank, cfg.world_size, cfg, keys, backend=backend, threads=threads)[0]
     rows = {}
     for key in keys:
         times = sorted(raw[key]["times"])
@@ -287,7 +272,7 @@ def summary(result: dict[str, Any]) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``python -m benchmarks.ddp_bench``."""
+    """The flags of ``python -m oss_plus.bench.ddp_bench``."""
     d = DDPBenchConfig()
     add = parser.add_argument
     add("--size", type=float, default=d.size, help=f"model size in M params (default {d.size:g})")
@@ -360,7 +345,7 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.ddp_bench", description=__doc__.split("\n")[0]
+        prog="python -m oss_plus.bench.ddp_bench", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
     return main_from_args(parser.parse_args(argv))

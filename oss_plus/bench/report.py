@@ -1,4 +1,4 @@
-"""Turn a :class:`~benchmarks.step_bench.BenchResult` into a table, a JSON file and a plot."""
+"""Turn a :class:`~oss_plus.bench.step_bench.BenchResult` into a table, a JSON file and a plot."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.impls import IMPLS, PEERS
-from benchmarks.step_bench import BenchResult
+from oss_plus.bench.impls import IMPLS, PEERS
+from oss_plus.bench.step_bench import BenchResult
 
 MB = 2**20
 

@@ -1,6 +1,7 @@
 """Checkpoint save/load, side by side: oss_plus against fairscale OSS and torch ZeRO.
 
-Run from the repo root: ``python -m benchmarks.checkpoint_bench`` (``--help`` for options).
+Run it with ``oss-plus bench --checkpoint`` or ``python -m oss_plus.bench.checkpoint_bench``
+(``--help`` for options).
 
 Every implementation runs in its own freshly spawned group of gloo ranks (so memory freed by
 one never flatters another), on the same model (default: 20M params, Adam, 2 ranks):
@@ -40,18 +41,17 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
 from oss_plus._launch import run_local
+from oss_plus.bench.measure import PeakRSS, rss
 
 IMPLEMENTATIONS = (
     "fairscale",
@@ -68,32 +68,6 @@ FLOORS = {
 }
 #: The implementation the targets are measured against.
 BASELINE = "fairscale"
-
-
-class PeakRSS:
-    """Samples this process's RSS from a thread; ``peak`` is the largest value seen (bytes)."""
-
-    def __init__(self, interval: float = 0.01) -> None:
-        self.interval = interval
-        self.peak = 0
-        self._process = psutil.Process()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._process.memory_info().rss)
-            time.sleep(self.interval)
-
-    def __enter__(self) -> PeakRSS:
-        self.peak = self._process.memory_info().rss
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._process.memory_info().rss)
 
 
 def _model(params_m: float) -> torch.nn.Module:
@@ -141,7 +115,7 @@ def _write_durably(file: str, tensors: list[torch.Tensor]) -> None:
     try:
         done = 0
         for tensor in tensors:
-            data = memoryview(tensor.detach().contiguous().view(-1).numpy()).cast("B")
+            data = tensor.detach().contiguous().view(-1).numpy().data.cast("B")
             while data:
                 n = os.write(fd, data[:CHUNK])
                 os.posix_fadvise(fd, done, n, os.POSIX_FADV_DONTNEED)  # start writeback now
@@ -176,16 +150,15 @@ def _load(impl: str, opt: Any, path: str) -> None:
 
 def _timed(fn: Callable[[], None]) -> tuple[float, int, float]:
     """Run ``fn`` between two barriers; return (seconds, peak RSS bytes, CPU seconds)."""
-    process = psutil.Process()
-    with PeakRSS() as rss:
+    with PeakRSS() as peak:
         dist.barrier()
-        cpu = process.cpu_times()
+        cpu = time.process_time()
         start = time.perf_counter()
         fn()
         dist.barrier()
         elapsed = time.perf_counter() - start
-        after = process.cpu_times()
-    return elapsed, rss.peak, (after.user - cpu.user) + (after.system - cpu.system)
+        used = time.process_time() - cpu
+    return elapsed, peak.peak, used
 
 
 def _rank_main(
@@ -198,7 +171,7 @@ def _rank_main(
     opt.step()
     opt.zero_grad(set_to_none=True)
     gc.collect()
-    steady = psutil.Process().memory_info().rss
+    steady = rss()
     path = os.path.join(root, impl.replace(" ", "_"))
     saves = []
     for _ in range(reps + 1):  # the first is a warm-up: its time is not counted, its RSS is
@@ -211,7 +184,7 @@ def _rank_main(
     loads = []
     for _ in range(0 if impl.startswith("disk floor") else reps):
         fresh = _optimizer(impl, model)
-        before = psutil.Process().memory_info().rss
+        before = rss()
         seconds, peak, _ = _timed(functools.partial(_load, impl, fresh, path))
         loads.append((seconds, peak - before))
         del fresh
@@ -232,6 +205,8 @@ def _available(impl: str) -> str | None:
     """Return why ``impl`` cannot run here, or None."""
     if impl == "fairscale" and importlib.util.find_spec("fairscale") is None:
         return "fairscale is not installed (pip install fairscale==0.4.13)"
+    if impl.startswith("disk floor") and importlib.util.find_spec("numpy") is None:
+        return "numpy is not installed (the floor writes tensor bytes through numpy)"
     return None
 
 
@@ -347,8 +322,54 @@ def floor_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def _report(
+    params_m: float, world: int, reps: int, rounds: int, impls: tuple[str, ...], out: str | None
+) -> int:
+    """Run, print the table, write the summary to the JSON file ``out`` (when given)."""
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    summary = run(params_m, world, reps, rounds, impls)
+    params = next((m["params"] for m in summary.values() if "params" in m), 0)
+    print(
+        f"\n{params / 1e6:.1f}M params, Adam, {world} gloo ranks, "
+        f"{os.cpu_count()} cores, median of {rounds} rounds x {reps} runs; "
+        f"load average before the run: {load}\n"
+    )
+    print(table(summary))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(summary, indent=1))
+        print(f"results: {out}")
+    return 0
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """``oss-plus bench --checkpoint``: the bench's flags mapped onto this benchmark's.
+
+    ``--size`` is ``--params``, ``--steps`` is ``--reps``, ``--impls`` is ``--only`` (comma
+    separated), and the summary goes to ``checkpoint_bench.json`` under ``--out``.
+
+    Raises:
+        ValueError: an unknown implementation.
+    """
+    impls = tuple(x.strip() for x in (args.impls or "").split(",") if x.strip())
+    unknown = [x for x in impls if x not in IMPLEMENTATIONS]
+    if unknown:
+        raise ValueError(
+            f"unknown --impls {unknown} for --checkpoint: choose from {list(IMPLEMENTATIONS)}"
+        )
+    quick = bool(getattr(args, "quick", False))
+    return _report(
+        args.size or 20.0,
+        args.world_size or 2,
+        args.steps or (1 if quick else 3),
+        args.rounds or (1 if quick else 2),
+        impls or IMPLEMENTATIONS,
+        str(Path(args.out) / "checkpoint_bench.json"),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m benchmarks.checkpoint_bench``."""
+    """Entry point of ``python -m oss_plus.bench.checkpoint_bench``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=20.0, help="model size, millions")
     parser.add_argument("--world-size", type=int, default=2)
@@ -359,18 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
     parser.add_argument("--json", help="also write the summary to this JSON file")
     args = parser.parse_args(argv)
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    summary = run(args.params, args.world_size, args.reps, args.rounds, tuple(args.only))
-    params = next((m["params"] for m in summary.values() if "params" in m), 0)
-    print(
-        f"\n{params / 1e6:.1f}M params, Adam, {args.world_size} gloo ranks, "
-        f"{os.cpu_count()} cores, median of {args.rounds} rounds x {args.reps} runs; "
-        f"load average before the run: {load}\n"
+    return _report(
+        args.params, args.world_size, args.reps, args.rounds, tuple(args.only), args.json
     )
-    print(table(summary))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

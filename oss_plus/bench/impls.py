@@ -30,6 +30,28 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 }
 
 
+def check_common(config: Any, counts: tuple[str, ...]) -> None:
+    """Check what every benchmark config shares: ``optimizer`` and the ``counts`` (>= 1).
+
+    Raises:
+        ValueError: an unknown optimizer or a count below 1, named by its flag.
+    """
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {config.optimizer!r}"
+        )
+    for name in counts:
+        if getattr(config, name) < 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
+            )
+
+
+def linear_layers(size: float, width: int) -> int:
+    """How many ``Linear(width, width)`` layers make ``size`` million params (>= 1)."""
+    return max(1, round(size * 1e6 / (width * width + width)))
+
+
 @dataclass
 class Runner:
     """One implementation built on one rank.

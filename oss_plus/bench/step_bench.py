@@ -1,0 +1,233 @@
+"""The step benchmark: every implementation side by side on the same ranks and model.
+
+Three measurements, each in fresh spawned ranks:
+
+* timing: all implementations in one set of ranks, in ``rounds`` rounds with the order
+  rotated each round (so a noisy neighbour hits every row alike); each round builds the row
+  from a fresh copy of the model, runs ``warmup`` steps, then times ``steps`` steps. A step's
+  time is the slowest rank's (barrier before, ``all_reduce(MAX)`` after, both untimed). Also
+  recorded: optimizer-state bytes per rank, wire bytes per step, clip_grad_norm time.
+* memory: one fresh set of ranks per implementation: steady-state RSS after
+  ``memory_steps`` steps and peak RSS (``ru_maxrss``) of each rank.
+* sweeps: step time of a few rows against model size and against world size.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from oss_plus._launch import pick_backend, run_local, threads_per_rank
+from oss_plus.bench.impls import IMPLS, check_common, linear_layers
+from oss_plus.bench.step_ranks import memory_rank, profile_rank, timing_rank
+
+#: Rows of the size / world-size sweeps (when available).
+SWEEP_IMPLS = ("oss_plus", "fairscale", "torch_zero_bv", "floor")
+#: Rows whose RSS is measured by default (the transport variants share oss_plus's layout).
+MEMORY_IMPLS = (
+    "oss_plus",
+    "oss_plus_bf16",
+    "fairscale",
+    "fairscale_fp16",
+    "torch_zero",
+    "torch_zero_bv",
+    "unsharded",
+    "floor",
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. Sizes are in millions of parameters.
+
+    Raises:
+        ValueError: a value out of range or an unknown optimizer / implementation.
+    """
+
+    size: float = 20.0
+    width: int = 1024
+    world_size: int = 2
+    optimizer: str = "adam"
+    steps: int = 6
+    warmup: int = 2
+    rounds: int = 3
+    memory_steps: int = 3
+    impls: tuple[str, ...] = tuple(IMPLS)
+    sweep_sizes: tuple[float, ...] = (5.0, 20.0, 50.0)
+    sweep_worlds: tuple[int, ...] = ()
+    sweep_impls: tuple[str, ...] = SWEEP_IMPLS
+    memory: bool = True
+    interleave: bool = True
+    memory_impls: tuple[str, ...] | None = None
+    profile: tuple[str, ...] = ()
+    backend: str = "auto"
+    threads: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_common(self, ("width", "world_size", "steps", "rounds"))
+        named = (*self.impls, *self.sweep_impls, *self.profile, *(self.memory_impls or ()))
+        unknown = [k for k in named if k not in IMPLS]
+        if unknown:
+            raise ValueError(f"unknown implementation(s) {unknown}: choose from {list(IMPLS)}")
+        if (
+            self.size <= 0
+            or any(s <= 0 for s in self.sweep_sizes)
+            or any(w < 1 for w in self.sweep_worlds)
+        ):
+            raise ValueError("sizes must be > 0 (millions of params) and world sizes >= 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+
+    def layers(self, size: float | None = None) -> int:
+        """Return how many Linear(width, width) layers make ``size`` million params (>= 1)."""
+        return linear_layers(self.size if size is None else size, self.width)
+
+
+@dataclass
+class BenchResult:
+    """Everything one invocation measured (plain data, JSON-ready)."""
+
+    config: dict[str, Any]
+    machine: dict[str, Any]
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    size_sweep: dict[str, dict[str, float]] = field(default_factory=dict)
+    profiles: dict[str, str] = field(default_factory=dict)
+    world_sweep: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _available(keys: tuple[str, ...], skipped: dict[str, str]) -> list[str]:
+    ok = []
+    for key in keys:
+        reason = IMPLS[key].missing()
+        if reason:
+            skipped[key] = reason
+        else:
+            ok.append(key)
+    return ok
+
+
+def _summary(row: dict[str, Any]) -> dict[str, Any]:
+    times = sorted(row["times"])
+    return {
+        "step_s": statistics.median(times),
+        "step_p10_s": times[len(times) // 10],
+        "step_p90_s": times[(len(times) * 9) // 10],
+        "clip_s": statistics.median(row["clip"]) if row["clip"] else None,
+        "cpu_s": statistics.median(row["cpu"]) if row["cpu"] else None,
+        "busy_cores": statistics.median(c / t for c, t in zip(row["cpu"], row["times"]) if t)
+        if row["cpu"]
+        else None,
+        "state_bytes": row["state"],
+        "wire_bytes": row["wire"],
+        "note": row["note"],
+        "times_s": row["times"],
+        "state_imbalance": max(row["state"]) / statistics.mean(row["state"])
+        if any(row["state"])
+        else None,
+    }
+
+
+def _on_ranks(cfg: BenchConfig, fn: Any, world: int, *args: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` fresh ranks with ``cfg``'s backend and threads."""
+    backend = pick_backend(cfg.backend, world)
+    return run_local(fn, world, *args, backend=backend, threads=cfg.threads)
+
+
+def _timing(cfg: BenchConfig, result: BenchResult, keys: list[str], log: Any) -> None:
+    backend, threads = result.machine["backend"], result.machine["threads_per_rank"]
+    log(
+        f"timing {len(keys)} implementations: {cfg.size:g}M params, {cfg.world_size} ranks "
+        f"({backend}, {threads} thread(s) each), {cfg.rounds} rounds x {cfg.steps} steps"
+    )
+    timed = _on_ranks(cfg, timing_rank, cfg.world_size, cfg, keys, [cfg.size])[0]
+    result.rows = {k: _summary(v) for k, v in timed[str(cfg.size)].items()}
+    result.machine["timing_mode"] = timed[f"mode {cfg.size}"]
+
+
+def _memory(cfg: BenchConfig, result: BenchResult, keys: list[str], log: Any) -> None:
+    chosen = MEMORY_IMPLS if cfg.memory_impls is None else cfg.memory_impls
+    for key in [k for k in keys if k in chosen]:
+        log(f"memory: {key} (fresh ranks)")
+        result.rows[key]["rss"] = _on_ranks(cfg, memory_rank, cfg.world_size, cfg, key)
+
+
+def _sweeps(cfg: BenchConfig, result: BenchResult, log: Any) -> None:
+    keys = _available(cfg.sweep_impls, {})
+    sweep_cfg = replace(cfg, rounds=max(1, cfg.rounds - 1))
+    sizes = [s for s in cfg.sweep_sizes if s != cfg.size]
+    if sizes:
+        log(f"size sweep {sizes}M params: {keys}")
+        swept = _on_ranks(cfg, timing_rank, cfg.world_size, sweep_cfg, keys, sizes)[0]
+        for size in sizes:
+            result.size_sweep[str(size)] = {
+                k: v["step_s"] for k, v in ((k, _summary(v)) for k, v in swept[str(size)].items())
+            }
+    if cfg.sweep_sizes and cfg.size in cfg.sweep_sizes:  # the main run is that point
+        result.size_sweep[str(cfg.size)] = {
+            k: result.rows[k]["step_s"] for k in keys if k in result.rows
+        }
+        result.size_sweep = dict(sorted(result.size_sweep.items(), key=lambda kv: float(kv[0])))
+    for world in cfg.sweep_worlds:
+        log(f"world-size sweep: {world} rank(s), {cfg.size:g}M params: {keys}")
+        world_cfg = replace(sweep_cfg, world_size=world)
+        swept = _on_ranks(cfg, timing_rank, world, world_cfg, keys, [cfg.size])[0]
+        result.world_sweep[str(world)] = {
+            k: _summary(v)["step_s"] for k, v in swept[str(cfg.size)].items()
+        }
+
+
+def _profile(cfg: BenchConfig, result: BenchResult, log: Any) -> None:
+    for key in _available(cfg.profile, {}):
+        log(f"profiling: {key}")
+        result.profiles[key] = _on_ranks(cfg, profile_rank, cfg.world_size, cfg, key)[0]
+
+
+def run(cfg: BenchConfig, log: Any = print) -> BenchResult:
+    """Run the benchmark described by ``cfg``; ``log`` receives progress lines.
+
+    Returns:
+        The measurements (see :class:`BenchResult`).
+
+    Raises:
+        ValueError: NCCL requested without a GPU per rank.
+        RuntimeError: a rank failed.
+    """
+    started = time.perf_counter()
+    backend = pick_backend(cfg.backend, cfg.world_size)
+    result = BenchResult(
+        asdict(cfg),
+        {
+            "cores": os.cpu_count(),
+            "backend": backend,
+            "threads_per_rank": threads_per_rank(cfg.threads, cfg.world_size),
+            "torch": torch.__version__,
+            "load_before": os.getloadavg(),
+        },
+    )
+    keys = _available(cfg.impls, result.skipped)
+    for reason in sorted(set(result.skipped.values())):
+        log(f"skipping {[k for k, r in result.skipped.items() if r == reason]}: {reason}")
+    phases = {"timing": lambda: _timing(cfg, result, keys, log)}
+    if cfg.memory:
+        phases["memory"] = lambda: _memory(cfg, result, keys, log)
+    phases["sweeps"] = lambda: _sweeps(cfg, result, log)
+    if cfg.profile:
+        phases["profile"] = lambda: _profile(cfg, result, log)
+    durations = {}
+    for name, phase in phases.items():
+        begin = time.perf_counter()
+        phase()
+        durations[name] = round(time.perf_counter() - begin, 1)
+    result.machine.update(
+        load_after=os.getloadavg(),
+        phase_seconds=durations,
+        total_seconds=round(time.perf_counter() - started, 1),
+    )
+    return result
