@@ -82,8 +82,9 @@ class Bucket:
     views: bool = True
     via: Transport = Transport.BROADCAST
     wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
-
     slot: torch.Tensor | None = field(init=False, repr=False)
+    #: the status last written into ``slot`` by this rank (slots start at 0)
+    status: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.flat is None:
@@ -105,6 +106,8 @@ class Gather:
     flat: torch.Tensor
     region: int
     wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: the status last written into this rank's slot (slots start at 0)
+    status: bool = field(default=False, init=False, repr=False)
 
     def slot(self, rank: int) -> torch.Tensor:
         """Return the status slot of ``rank`` (a 1-element view)."""

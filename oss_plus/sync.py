@@ -185,6 +185,7 @@ class BucketSync:
         self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
         # every slot of an owner holds the same status after a sync: read one per rank
         self._reporters = _first_per_rank(_slots(self.buckets, self.gathers, self.world_size))
+        self._silent = len(self._reporters) < self.world_size
         self._ptrs = self._current_ptrs()
 
     def _current_ptrs(self) -> list[int]:
@@ -222,7 +223,7 @@ class BucketSync:
                 for p in bucket.params:
                     p.data = p.data.clone()
         self.buckets, self.gathers, self._broadcast, self._ptrs = [], [], [], []
-        self._reporters = []
+        self._reporters, self._silent = [], True
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
@@ -257,15 +258,20 @@ class BucketSync:
 
         .. warning:: Collective: call on every rank of ``group`` after the same sends.
         """
-        slots = self._reporters if buckets is None else _slots(buckets, (), self.world_size)
-        silent = len({r for r, _ in slots}) < self.world_size
+        if buckets is None:
+            slots, silent = self._reporters, self._silent
+        else:
+            slots = _slots(buckets, (), self.world_size)
+            silent = len({r for r, _ in slots}) < self.world_size
         if error is not None or silent or any(s.item() for r, s in slots if r != self.rank):
             _dist.agree(error, self.group)
 
     def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Callable[[], None]]:
         pending: list[Callable[[], None]] = []
         for g in self.gathers:
-            g.slot(self.rank).fill_(float(failed))
+            if g.status != failed:  # the slot keeps its value between syncs
+                g.slot(self.rank).fill_(float(failed))
+                g.status = failed
             dtype = wire_dtype_for(g.flat.dtype, wire)
             out = g.flat if dtype is None else g.wire_buffer(dtype)
             mine = out[self.rank * g.region : (self.rank + 1) * g.region]
@@ -304,8 +310,9 @@ class BucketSync:
         assert flat is not None
         mine = bucket.owner == self.rank
         slot = bucket.slot
-        if mine and slot is not None:
-            slot.fill_(float(failed))
+        if mine and slot is not None and bucket.status != failed:
+            slot.fill_(float(failed))  # the slot keeps its value between syncs
+            bucket.status = failed
         dtype = wire_dtype_for(flat.dtype, wire)
         tensor = flat if dtype is None else bucket.wire_buffer(dtype)
         if dtype is not None and mine:
