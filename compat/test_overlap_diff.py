@@ -23,7 +23,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import oss_plus
-from oss_plus._overlap_plan import local_order, torch_assignments
 from oss_plus.compat.ddp_zero_hook import NOT_OVERLAP, TRAINABILITY_CHANGED
 from oss_plus.compat.torch import (
     OVERLAP_ONE_GROUP,
@@ -32,6 +31,7 @@ from oss_plus.compat.torch import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
 )
+from oss_plus.overlap.plan import local_order, torch_assignments
 
 pytestmark = pytest.mark.compat
 

@@ -155,11 +155,18 @@ def run_phase(fn: Callable[[], T], group: Any, *, cleanup: Callable[[], None] | 
 
     .. warning:: Collective: call on every rank of ``group``.
     """
-    error: Exception | None = None
-    result: Any = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised by agree, here and on every rank
-        error = exc
+    result, error = capture(fn)
     agree(error, group, cleanup=cleanup)
     return cast(T, result)
+
+
+def capture(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """Run ``fn``; return ``(result, None)``, or ``(None, error)`` when it raised.
+
+    What a rank does before it reports to its peers (:func:`agree`, or the status slots of
+    :mod:`oss_plus.sync`), so that no rank leaves a collective phase alone.
+    """
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - the caller raises it on every rank
+        return None, exc

@@ -1,9 +1,24 @@
-"""Bucket layout for the parameter sync (no collectives): which params share a flat buffer,
+"""Bucket layouts for the parameter sync (no collectives): which params share a flat buffer,
 where each one starts, and how a buffer's views replace the params' storage.
 
-For every (device, dtype, owner rank) one flat buffer holds that owner's *trainable* params in
-ascending element count (stable), each starting at an allocator-aligned offset; each param's
-``.data`` becomes a view into it, so the owner's update lands in the buffer with no copy.
+A layout is a list of ready-made :class:`Bucket` objects (plus, for the ``all_gather``
+transport, the :class:`Gather` buffers they are views of); :class:`oss_plus.sync.BucketSync`
+only moves their bytes. The layouts:
+
+* :func:`owner_buckets` (the core's and fairscale's): for every (device, dtype, owner rank)
+  one flat buffer of that owner's *trainable* params in ascending element count (stable),
+  each at an allocator-aligned offset (or back to back when not ``aligned``);
+* :func:`ordered_buckets` (torch ZeRO's ``parameters_as_bucket_view``): the same, params in
+  the owner's local order, back to back;
+* :func:`per_param` (torch ZeRO's default): every param (frozen ones too) is its own bucket,
+  sent from its own storage;
+* the overlap's pieces (:mod:`oss_plus.overlap.layout`), one bucket per (DDP bucket, owner),
+  built with :func:`lay_out`.
+
+Status slot: a flat bucket carries one element after its params' region. Its owner writes
+its step status there (0: ok, 1: its local step raised) before sending, so every receiver
+learns whether the owner failed with no collective of its own. In a :class:`Gather`, the
+last element of every rank's region is that rank's slot.
 """
 
 from __future__ import annotations
@@ -14,10 +29,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "Gather", "Transport", "alignment", "bucket_numel", "lay_out", "plan"]
+__all__ = [
+    "Bucket",
+    "Gather",
+    "Transport",
+    "alignment",
+    "bucket_numel",
+    "lay_out",
+    "ordered_buckets",
+    "owner_buckets",
+    "per_param",
+]
 
 Key = tuple[str, torch.dtype]
-Plan = list[tuple[int, Key, list[torch.Tensor]]]
 
 
 class Transport(str, enum.Enum):
@@ -28,41 +52,71 @@ class Transport(str, enum.Enum):
     ALL_GATHER = "all_gather"
 
 
-@dataclass
-class Bucket:
-    """One flat buffer: the trainable params of ``owner`` with one device and dtype.
+def _wire_buffer(
+    cache: dict[torch.dtype, torch.Tensor], like: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    if dtype not in cache:
+        cache[dtype] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+    return cache[dtype]
 
-    ``via`` is the transport of this bucket.
+
+@dataclass(eq=False)
+class Bucket:
+    """One flat buffer: params of ``owner`` with one device and dtype.
+
+    Attributes:
+        owner: the group-local rank that updates these params and sends them.
+        buffer: the params' region; each param is a view of it (when ``views``).
+        params: the members, in layout order.
+        flat: what travels: ``buffer`` followed by the status slot (or ``buffer`` itself
+            when the bucket has no slot).
+        views: the params are views of ``buffer`` (False: ``buffer`` is a param's own
+            storage, :func:`per_param`).
+        via: the transport of this bucket.
     """
 
     owner: int
     buffer: torch.Tensor
     params: list[torch.Tensor]
-    wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    flat: torch.Tensor | None = None
+    views: bool = True
     via: Transport = Transport.BROADCAST
+    wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+    slot: torch.Tensor | None = field(init=False, repr=False)
+    #: the status last written into ``slot`` by this rank (slots start at 0)
+    status: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.flat is None:
+            self.flat = self.buffer
+        #: the status slot (a 1-element view of ``flat``), or None
+        self.slot = self.flat[-1:] if self.flat.numel() > self.buffer.numel() else None
 
     def wire_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """Return the preallocated compressed copy for ``dtype`` (allocated on first use)."""
-        if dtype not in self.wire:
-            self.wire[dtype] = torch.empty(
-                self.buffer.numel(), dtype=dtype, device=self.buffer.device
-            )
-        return self.wire[dtype]
+        """Return the preallocated compressed copy of :attr:`flat` (allocated on first use)."""
+        assert self.flat is not None
+        return _wire_buffer(self.wire, self.flat, dtype)
 
 
-@dataclass
+@dataclass(eq=False)
 class Gather:
-    """The ``all_gather`` layout of one (device, dtype): ``region`` elements per rank."""
+    """The ``all_gather`` layout of one (device, dtype): ``region`` elements per rank, the
+    last of which is that rank's status slot."""
 
     flat: torch.Tensor
     region: int
-    wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: the status last written into this rank's slot (slots start at 0)
+    status: bool = field(default=False, init=False, repr=False)
+
+    def slot(self, rank: int) -> torch.Tensor:
+        """Return the status slot of ``rank`` (a 1-element view)."""
+        end = (rank + 1) * self.region
+        return self.flat[end - 1 : end]
 
     def wire_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """Return the preallocated compressed copy of ``flat`` (allocated on first use)."""
-        if dtype not in self.wire:
-            self.wire[dtype] = torch.empty(self.flat.numel(), dtype=dtype, device=self.flat.device)
-        return self.wire[dtype]
+        return _wire_buffer(self.wire, self.flat, dtype)
 
 
 def alignment(device: torch.device, dtype: torch.dtype) -> int:
@@ -89,44 +143,104 @@ def bucket_numel(params: Sequence[torch.Tensor], aligned: bool) -> int:
     return sum(padded(p.numel(), align) for p in params)
 
 
-def plan(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> Plan:
-    """Return (owner, key, members) per bucket: trainable params by ascending size (stable)."""
-    buckets: Plan = []
-    for owner, params in enumerate(params_by_owner):
-        by_key: dict[Key, list[torch.Tensor]] = {}
-        for p in sorted((p for p in params if p.requires_grad), key=lambda p: p.numel()):
-            by_key.setdefault((str(p.device), p.dtype), []).append(p)
-        buckets.extend((owner, key, members) for key, members in by_key.items())
-    return buckets
-
-
 @torch.no_grad()
 def lay_out(
     owner: int,
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     aligned: bool,
     buffer: torch.Tensor | None = None,
-    copy: bool = True,
 ) -> Bucket:
-    """Make ``params`` views into ``buffer`` (a new zeroed one by default).
+    """Make ``params`` views into ``buffer`` (by default a new zeroed one with a status slot),
+    copying their current values in.
 
     Args:
         owner: the group-local rank that updates these params.
         params: the members, in layout order.
         aligned: start each at an allocator-aligned offset (else back to back).
-        buffer: where to lay them out; at least :func:`bucket_numel` elements.
-        copy: copy the params' current values in (False: the buffer already holds them).
+        buffer: where to lay them out (at least :func:`bucket_numel` elements; the bucket
+            then has no status slot of its own).
     """
-    align = alignment(params[0].device, params[0].dtype) if aligned else 1
+    numel = bucket_numel(params, aligned)
+    flat = None
     if buffer is None:
-        buffer = torch.zeros(
-            bucket_numel(params, aligned), dtype=params[0].dtype, device=params[0].device
-        )
+        flat = torch.zeros(numel + 1, dtype=params[0].dtype, device=params[0].device)
+        buffer = flat[:numel]
+    align = alignment(params[0].device, params[0].dtype) if aligned else 1
     offset = 0
     for p in params:
         view = buffer[offset : offset + p.numel()].view_as(p)
-        if copy:
-            view.copy_(p.data)
+        view.copy_(p.data)
         p.data = view
         offset += padded(p.numel(), align)
-    return Bucket(owner, buffer, list(params))
+    return Bucket(owner, buffer[:numel], list(params), flat)
+
+
+def _by_key(params: Sequence[torch.Tensor], order_by_size: bool) -> list[list[torch.Tensor]]:
+    """Group trainable ``params`` by (device, dtype), optionally by ascending size (stable)."""
+    trainable = [p for p in params if p.requires_grad]
+    if order_by_size:
+        trainable.sort(key=lambda p: p.numel())
+    by_key: dict[Key, list[torch.Tensor]] = {}
+    for p in trainable:
+        by_key.setdefault((str(p.device), p.dtype), []).append(p)
+    return list(by_key.values())
+
+
+def owner_buckets(
+    params_by_owner: Sequence[Sequence[torch.Tensor]],
+    aligned: bool,
+    gathered: Sequence[Key] = (),
+) -> tuple[list[Bucket], list[Gather]]:
+    """Lay out every owner's trainable params in ascending size, one bucket per key.
+
+    Args:
+        params_by_owner: for every group-local rank, the params it owns (any order).
+        aligned: start every param at an allocator-aligned offset.
+        gathered: the (device, dtype) keys that travel by ``all_gather``: their buckets are
+            views of one :class:`Gather` buffer with an equal region per rank.
+
+    Returns:
+        The buckets (by owner, then key) and the gather buffers.
+    """
+    world = len(params_by_owner)
+    layout = [
+        (owner, (str(ms[0].device), ms[0].dtype), ms)
+        for owner, params in enumerate(params_by_owner)
+        for ms in _by_key(params, order_by_size=True)
+    ]
+    regions: dict[Key, Gather] = {}
+    for key in dict.fromkeys(k for _, k, _ in layout):
+        if key in gathered:
+            device = torch.device(key[0])
+            largest = max(bucket_numel(m, aligned) for _, k, m in layout if k == key)
+            region = padded(largest + 1, alignment(device, key[1]))
+            flat = torch.zeros(world * region, dtype=key[1], device=device)
+            regions[key] = Gather(flat, region)
+    buckets = []
+    for owner, key, members in layout:
+        if key in regions:
+            g = regions[key]
+            bucket = lay_out(owner, members, aligned, g.flat[owner * g.region :])
+            bucket.via = Transport.ALL_GATHER
+        else:
+            bucket = lay_out(owner, members, aligned)
+        buckets.append(bucket)
+    return buckets, list(regions.values())
+
+
+def ordered_buckets(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> list[Bucket]:
+    """torch's bucket views: each owner's trainable params back to back, in the given order."""
+    return [
+        lay_out(owner, members, aligned=False)
+        for owner, params in enumerate(params_by_owner)
+        for members in _by_key(params, order_by_size=False)
+    ]
+
+
+def per_param(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> list[Bucket]:
+    """torch's default: every param (frozen ones too) sent from its own storage, no slot."""
+    return [
+        Bucket(owner, p.data, [p], views=False)
+        for owner, params in enumerate(params_by_owner)
+        for p in params
+    ]

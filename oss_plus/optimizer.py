@@ -29,13 +29,7 @@ from oss_plus import _dist, _params, clip
 from oss_plus.consolidate import Transfer, exchange_states
 from oss_plus.partition import ParamSpec, Rule
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
-from oss_plus.state import (
-    ParamState,
-    copy_hyper,
-    local_groups,
-    local_state_dict,
-    place_states,
-)
+from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.sync import BucketSync, build_sync
 
@@ -217,7 +211,8 @@ class OSS(ShardedStateDict, Optimizer):
         """Release the parameter sync (params get their own storage back), then install
         ``make()`` (default: the policy's layout) for the next steps.
 
-        The object needs ``sync(wire_dtype)``, ``is_intact()`` and ``release()`` (see
+        The object needs ``sync(wire_dtype, error)`` (raising on every rank when ``error``
+        is given on any rank), ``is_intact()`` and ``release()`` (see
         :class:`oss_plus.sync.BucketSync`). The consolidated state is dropped.
 
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
@@ -350,6 +345,12 @@ class OSS(ShardedStateDict, Optimizer):
         Returns:
             What the inner step returned (the closure's loss).
 
+        Raises:
+            Exception: on every rank when the inner step (optimizer, closure, inner hooks)
+                raised on any: that rank's own error, elsewhere one naming it. The sync
+                completes first (replicas stay identical); nothing is undone (see
+                ``docs/design.md``, "When a step fails").
+
         .. warning:: Collective: call on every rank of ``group``.
         """
         if self._trainable != self._trainable_mask():
@@ -360,12 +361,11 @@ class OSS(ShardedStateDict, Optimizer):
             self.install_sync()
         self.drop_consolidated()
         copy_hyper(self.param_groups, self.optim.param_groups)
+        if closure is not None:
+            kwargs["closure"] = closure
         with torch.profiler.record_function("oss_plus::local_step"):
-            if closure is not None:
-                loss = self.optim.step(closure=closure, **kwargs)
-            else:
-                loss = self.optim.step(**kwargs)
-        self._sync.sync(self.wire_dtype)
+            loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
+        self._sync.sync(self.wire_dtype, error)  # raises on every rank if any rank failed
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
 

@@ -1,9 +1,9 @@
-"""Parameter synchronisation after the local step: flat buckets, transports, wire compression.
+"""Parameter synchronisation after the local step: transports and wire compression over
+ready-made bucket layouts (:mod:`oss_plus._layout`), and the step status that travels with
+them.
 
-Layout (fairscale's): for every (device, dtype, owner rank) there is one flat buffer holding
-that owner's *trainable* parameters in ascending element count, each starting at an aligned
-offset (see :func:`alignment`); each parameter's ``.data`` is a view into its buffer, so the
-owner's update lands in the buffer with no copy. Frozen parameters are never sent.
+:class:`BucketSync` receives the buckets of a layout and only moves their bytes; which
+layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by :func:`build_sync`.
 
 Transports (:class:`Transport`), chosen when the layout is built, identically on every rank:
 
@@ -25,6 +25,13 @@ it into their buffer. The owner's own values are never rounded, so updates small
 wire format's resolution still accumulate on the owner, and replicas hold the owner's values
 rounded to the wire dtype until the next step.
 
+Step status: every flat bucket (and every rank's region of an ``all_gather`` buffer) ends
+with a status slot its owner sets to 1 when its local step raised. After the waits, every
+rank reads one slot per peer; when any is set (or this rank failed), every rank runs
+:func:`oss_plus._dist.agree`, which raises on all of them naming the failing rank(s). So a
+failure costs no collective in the common case. When some rank sends no slot (it owns no
+trainable param, or the layout is ``per_param``), that one ``agree`` runs at every sync.
+
 Buffers are allocated when the layout is built (construction, ``add_param_group``,
 ``refresh_trainable``) or on the first sync with a new wire dtype; later steps allocate
 nothing.
@@ -41,26 +48,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import global_rank
+from oss_plus import _dist
 from oss_plus._layout import (
     Bucket,
     Gather,
     Key,
-    Plan,
     Transport,
     alignment,
     bucket_numel,
-    lay_out,
-    padded,
-    plan,
+    ordered_buckets,
+    owner_buckets,
+    per_param,
 )
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
 
 __all__ = [
     "Bucket",
     "BucketSync",
-    "OrderedBucketSync",
-    "ParamBroadcast",
     "Transport",
     "alignment",
     "bucket_numel",
@@ -115,88 +119,74 @@ def _backend(group: Any) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-class BucketSync:
-    """Flat per-owner buckets whose views are the parameters, and the collectives that sync them.
-
-    Args:
-        params_by_owner: for every group-local rank, the params it owns (any order; frozen
-            ones are skipped, the rest are laid out in ascending element count, stable).
-        group: the process group.
-        aligned: start every param at an allocator-aligned offset (default). fairscale packs
-            params back to back; its compatibility layer passes False to match it.
-        transport: ``"auto"`` (default), ``"broadcast"`` or ``"all_gather"``; see the
-            module docstring.
+def gathered_keys(
+    params_by_owner: Sequence[Sequence[torch.Tensor]], transport: Transport | str, group: Any
+) -> list[Key]:
+    """Return the (device, dtype) keys whose buckets travel by ``all_gather``.
 
     Raises:
         ValueError: unknown ``transport`` (or value of :data:`TRANSPORT_ENV`).
+    """
+    requested = _requested(transport)
+    keys = list(
+        dict.fromkeys(
+            (str(p.device), p.dtype) for ps in params_by_owner for p in ps if p.requires_grad
+        )
+    )
+    if requested is Transport.ALL_GATHER:
+        return keys
+    world = dist.get_world_size(group)
+    if requested is Transport.AUTO and world > 1 and "nccl" in _backend(group):
+        return [k for k in keys if not k[0].startswith("cpu")]
+    return []
+
+
+def _slots(
+    buckets: Sequence[Bucket], gathers: Sequence[Gather], world_size: int
+) -> list[tuple[int, torch.Tensor]]:
+    """Return ``(rank, slot)`` for every status slot sent (the same list on every rank)."""
+    slots = [(rank, g.slot(rank)) for g in gathers for rank in range(world_size)]
+    slots += [
+        (b.owner, b.slot) for b in buckets if b.slot is not None and b.via is Transport.BROADCAST
+    ]
+    return slots
+
+
+def _first_per_rank(slots: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    first: dict[int, torch.Tensor] = {}
+    for rank, slot in slots:
+        first.setdefault(rank, slot)
+    return list(first.items())
+
+
+class BucketSync:
+    """Moves the bytes of ready-made buckets from their owners to every rank.
+
+    Args:
+        buckets: the layout's buckets (:mod:`oss_plus._layout`), in the same order on every
+            rank; those with ``via == "broadcast"`` are broadcast one by one.
+        group: the process group.
+        gathers: the ``all_gather`` buffers the other buckets are views of.
 
     Example:
-        >>> sync = BucketSync([params_of_rank0, params_of_rank1], group)  # doctest: +SKIP
+        >>> buckets, gathers = owner_buckets(params_by_owner, aligned=True)  # doctest: +SKIP
+        >>> sync = BucketSync(buckets, group, gathers)  # doctest: +SKIP
         >>> inner.step(); sync.sync(torch.bfloat16)  # doctest: +SKIP
-
-    .. warning:: Collective: construct on every rank of ``group``.
     """
 
     def __init__(
-        self,
-        params_by_owner: Sequence[Sequence[torch.Tensor]],
-        group: Any,
-        aligned: bool = True,
-        transport: Transport | str = Transport.AUTO,
+        self, buckets: Sequence[Bucket], group: Any, gathers: Sequence[Gather] = ()
     ) -> None:
         self.group = group
-        self.aligned = aligned
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.buckets: list[Bucket] = []
-        self._gathers: list[Gather] = []
-        layout = plan(params_by_owner)
-        gathered = self._gather_keys(layout, _requested(transport))
-        self._allocate(layout, gathered)
+        self.buckets = list(buckets)
+        self.gathers = list(gathers)
+        self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
+        # every slot of an owner holds the same status after a sync: read one per rank
+        self._reporters = _first_per_rank(_slots(self.buckets, self.gathers, self.world_size))
+        self._silent = len(self._reporters) < self.world_size
         self._ptrs = self._current_ptrs()
-
-    # ----------------------------------------------------------------- building the layout
-    def _gather_keys(self, layout: Plan, requested: Transport) -> list[Key]:
-        keys = list(dict.fromkeys(key for _, key, _ in layout))
-        if requested is Transport.ALL_GATHER:
-            return keys
-        if requested is Transport.AUTO and self.world_size > 1 and "nccl" in _backend(self.group):
-            return [k for k in keys if not k[0].startswith("cpu")]
-        return []
-
-    @torch.no_grad()
-    def _allocate(self, layout: Plan, gathered: list[Key]) -> None:
-        regions: dict[Key, Gather] = {}
-        for key in gathered:
-            device = torch.device(key[0])
-            largest = max(bucket_numel(m, self.aligned) for _, k, m in layout if k == key)
-            region = padded(largest, alignment(device, key[1]))
-            regions[key] = Gather(
-                torch.zeros(self.world_size * region, dtype=key[1], device=device), region
-            )
-        self._gathers = list(regions.values())
-        for owner, key, members in layout:
-            buffer, via = None, Transport.BROADCAST
-            if key in regions:
-                region = regions[key].region
-                buffer, via = (
-                    regions[key].flat[owner * region : (owner + 1) * region],
-                    Transport.ALL_GATHER,
-                )
-            bucket = self._make_bucket(owner, members, self.aligned, buffer)
-            bucket.via = via
-            self.buckets.append(bucket)
-
-    @staticmethod
-    def _make_bucket(
-        owner: int,
-        params: list[torch.Tensor],
-        aligned: bool,
-        buffer: torch.Tensor | None = None,
-        copy: bool = True,
-    ) -> Bucket:
-        """Lay ``params`` out in ``buffer`` (a new zeroed one by default); they become views."""
-        return lay_out(owner, params, aligned, buffer, copy)
 
     def _current_ptrs(self) -> list[int]:
         return [p.data_ptr() for b in self.buckets for p in b.params]
@@ -215,42 +205,73 @@ class BucketSync:
         return counts
 
     def wire_bytes(self, wire: torch.dtype | None = None) -> int:
-        """Return the bytes one :meth:`sync` moves: every bucket once (alignment padding
-        included; every rank's region for ``all_gather``), whether this rank sends or
-        receives it."""
-        total = 0
-        for g in self._gathers:
-            total += g.flat.numel() * (wire_dtype_for(g.flat.dtype, wire) or g.flat.dtype).itemsize
-        for b in self.buckets:
-            if b.via is Transport.BROADCAST:
-                dtype = wire_dtype_for(b.buffer.dtype, wire) or b.buffer.dtype
-                total += b.buffer.numel() * dtype.itemsize
-        return total
+        """Return the bytes one :meth:`sync` moves: every bucket once (alignment padding and
+        status slots included; every rank's region for ``all_gather``), whether this rank
+        sends or receives it."""
+        flats = [g.flat for g in self.gathers] + [b.flat for b in self._broadcast]
+        return sum(
+            f.numel() * (wire_dtype_for(f.dtype, wire) or f.dtype).itemsize
+            for f in flats
+            if f is not None
+        )
 
     @torch.no_grad()
     def release(self) -> None:
         """Give every bucketed param its own storage again (before a layout is dropped)."""
         for bucket in self.buckets:
-            for p in bucket.params:
-                p.data = p.data.clone()
-        self.buckets, self._gathers, self._ptrs = [], [], []
+            if bucket.views:
+                for p in bucket.params:
+                    p.data = p.data.clone()
+        self.buckets, self.gathers, self._broadcast, self._ptrs = [], [], [], []
+        self._reporters, self._silent = [], True
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
-    def sync(self, wire: torch.dtype | None = None) -> None:
+    def sync(self, wire: torch.dtype | None = None, error: BaseException | None = None) -> None:
         """Bring every replica up to date with the owners' buckets; compress with ``wire``.
+
+        Args:
+            wire: compress floating buffers wider than this dtype on the wire (None: don't).
+            error: what this rank's local step raised, or None. Its buckets are sent anyway
+                (every replica gets the same values), then every rank raises.
+
+        Raises:
+            Exception: on every rank, when any rank's step raised (see :meth:`settle`).
 
         .. warning:: Collective: call on every rank of ``group``.
         """
         with torch.profiler.record_function("oss_plus::sync"):
-            pending = self._start_gathers(wire) + self._start_broadcasts(wire)
+            failed = error is not None
+            pending = self._start_gathers(wire, failed) + self.start(self._broadcast, wire, failed)
             with torch.profiler.record_function("oss_plus::sync.wait"):
                 for finish in pending:
                     finish()
+        self.settle(error)
 
-    def _start_gathers(self, wire: torch.dtype | None) -> list[Callable[[], None]]:
+    def settle(self, error: BaseException | None, buckets: Sequence[Bucket] | None = None) -> None:
+        """After the waits: raise on every rank if any rank's step raised.
+
+        Reads the status slots of the peers (every slot of ``buckets``, default: one per
+        rank of this layout); when one is set or ``error`` is given, or some rank sent no
+        slot, runs :func:`oss_plus._dist.agree`, which raises on every rank naming the
+        failing rank(s).
+
+        .. warning:: Collective: call on every rank of ``group`` after the same sends.
+        """
+        if buckets is None:
+            slots, silent = self._reporters, self._silent
+        else:
+            slots = _slots(buckets, (), self.world_size)
+            silent = len({r for r, _ in slots}) < self.world_size
+        if error is not None or silent or any(s.item() for r, s in slots if r != self.rank):
+            _dist.agree(error, self.group)
+
+    def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Callable[[], None]]:
         pending: list[Callable[[], None]] = []
-        for g in self._gathers:
+        for g in self.gathers:
+            if g.status != failed:  # the slot keeps its value between syncs
+                g.slot(self.rank).fill_(float(failed))
+                g.status = failed
             dtype = wire_dtype_for(g.flat.dtype, wire)
             out = g.flat if dtype is None else g.wire_buffer(dtype)
             mine = out[self.rank * g.region : (self.rank + 1) * g.region]
@@ -269,90 +290,65 @@ class BucketSync:
             g.flat[:start].copy_(out[:start])
             g.flat[end:].copy_(out[end:])
 
-    def _start_broadcasts(self, wire: torch.dtype | None) -> list[Callable[[], None]]:
-        return [
-            self._broadcast_bucket(bucket, wire)
-            for bucket in self.buckets
-            if bucket.via is Transport.BROADCAST
-        ]
+    def start(
+        self, buckets: Sequence[Bucket], wire: torch.dtype | None, failed: bool = False
+    ) -> list[Callable[[], None]]:
+        """Start the async broadcast of every bucket from its owner (through a compressed
+        copy when ``wire`` narrows it); the owner first sets its status slot to ``failed``.
 
-    def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None) -> Callable[[], None]:
-        """Start the async broadcast of ``bucket`` from its owner (through a compressed copy
-        when ``wire`` narrows it); return the callable that waits and widens."""
-        dtype = wire_dtype_for(bucket.buffer.dtype, wire)
-        tensor = bucket.buffer if dtype is None else bucket.wire_buffer(dtype)
-        if dtype is not None and bucket.owner == self.rank:
-            tensor.copy_(bucket.buffer)
-        src = global_rank(self.group, bucket.owner)
+        Returns:
+            Callables that wait for each broadcast (and widen a compressed copy).
+
+        .. warning:: Collective: call on every rank of ``group`` with the same buckets.
+        """
+        return [self._broadcast_bucket(b, wire, failed) for b in buckets]
+
+    def _broadcast_bucket(
+        self, bucket: Bucket, wire: torch.dtype | None, failed: bool
+    ) -> Callable[[], None]:
+        flat = bucket.flat
+        assert flat is not None
+        mine = bucket.owner == self.rank
+        slot = bucket.slot
+        if mine and slot is not None and bucket.status != failed:
+            slot.fill_(float(failed))  # the slot keeps its value between syncs
+            bucket.status = failed
+        dtype = wire_dtype_for(flat.dtype, wire)
+        tensor = flat if dtype is None else bucket.wire_buffer(dtype)
+        if dtype is not None and mine:
+            tensor.copy_(flat)
+        src = _dist.global_rank(self.group, bucket.owner)
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-        return functools.partial(self._finish_broadcast, work, bucket, tensor, dtype)
-
-    def _finish_broadcast(
-        self, work: Any, bucket: Bucket, tensor: torch.Tensor, dtype: torch.dtype | None
-    ) -> None:
-        work.wait()
-        if dtype is not None and bucket.owner != self.rank:
-            bucket.buffer.copy_(tensor)
+        return functools.partial(
+            _finish_broadcast, work, flat, tensor, dtype is not None and not mine
+        )
 
 
-class OrderedBucketSync(BucketSync):
-    """torch's bucket views: each owner's trainable params back to back, in the given order.
-
-    Args:
-        params_by_owner: for every group-local rank, its params in partition order (frozen
-            ones are skipped).
-        group: the process group.
-    """
-
-    def __init__(self, params_by_owner: Sequence[Sequence[torch.Tensor]], group: Any) -> None:
-        super().__init__([[] for _ in params_by_owner], group, aligned=False)
-        for owner, params in enumerate(params_by_owner):
-            by_key: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-            for p in params:
-                if p.requires_grad:
-                    by_key.setdefault((str(p.device), p.dtype), []).append(p)
-            for members in by_key.values():
-                self.buckets.append(self._make_bucket(owner, members, aligned=False))
-        self._ptrs = self._current_ptrs()
-
-
-class ParamBroadcast(BucketSync):
-    """torch's default: one broadcast per param (frozen ones too), params keep their storage.
-
-    Each "bucket" is a single param whose buffer is ``param.data`` itself, so nothing is
-    copied and :meth:`release` has nothing to give back.
-
-    Args:
-        params_by_owner: for every group-local rank, its params in partition order.
-        group: the process group.
-    """
-
-    def __init__(self, params_by_owner: Sequence[Sequence[torch.Tensor]], group: Any) -> None:
-        super().__init__([[] for _ in params_by_owner], group, aligned=False)
-        for owner, params in enumerate(params_by_owner):
-            self.buckets.extend(Bucket(owner, p.data, [p]) for p in params)
-        self._ptrs = self._current_ptrs()
-
-    def release(self) -> None:
-        """Drop the layout; params already own their storage."""
-        self.buckets = []
-        self._ptrs = []
+def _finish_broadcast(work: Any, flat: torch.Tensor, tensor: torch.Tensor, widen: bool) -> None:
+    work.wait()
+    if widen:
+        flat.copy_(tensor)
 
 
 def build_sync(
     params: Sequence[torch.Tensor], plan: ShardPlan, policy: ShardPolicy, group: Any
 ) -> BucketSync:
-    """Build the sync of ``policy.layout`` for ``params`` (flat order) owned as in ``plan``.
+    """Lay out ``params`` (flat order) owned as in ``plan`` by ``policy.layout``; return the
+    transport over that layout.
 
-    .. warning:: Collective: call on every rank of ``group``.
+    Raises:
+        ValueError: unknown ``policy.transport`` (or value of :data:`TRANSPORT_ENV`).
     """
     if policy.layout is Layout.OWNER_BUCKETS:
         by_owner = [[params[i] for i in plan.owned(r)] for r in range(plan.world_size)]
-        return BucketSync(by_owner, group, aligned=policy.aligned, transport=policy.transport)
+        keys = gathered_keys(by_owner, policy.transport, group)
+        buckets, gathers = owner_buckets(by_owner, policy.aligned, keys)
+        return BucketSync(buckets, group, gathers)
+    _requested(policy.transport)
     by_local = [
         [params[i] for indices in plan.local_indices(r) for i in indices]
         for r in range(plan.world_size)
     ]
     if policy.layout is Layout.ORDERED_BUCKETS:
-        return OrderedBucketSync(by_local, group)
-    return ParamBroadcast(by_local, group)
+        return BucketSync(ordered_buckets(by_local), group)
+    return BucketSync(per_param(by_local), group)

@@ -256,7 +256,8 @@ def mixed_task(ctx, wire):
     owned = [opt.param_to_rank[p] == ctx.rank for p in params]
     by_dtype = {}
     for b in opt.sync_buckets.buckets:
-        by_dtype[b.buffer.dtype] = by_dtype.get(b.buffer.dtype, 0) + b.buffer.numel()
+        # the params' region and the one-element status slot travel
+        by_dtype[b.buffer.dtype] = by_dtype.get(b.buffer.dtype, 0) + b.buffer.numel() + 1
     return {
         "owned": owned,
         "params": [p.detach().clone() for p in params],

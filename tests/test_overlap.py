@@ -20,8 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import oss_plus
 from oss_plus import OSS
-from oss_plus._overlap_layout import STEP_WHILE_OVERLAPPED, OverlapSync
-from oss_plus._overlap_plan import Assignment, local_order, owner_pieces, torch_assignments
 from oss_plus.overlap import (
     GROUP_MISMATCH,
     PARAM_NOT_IN_DDP,
@@ -32,6 +30,8 @@ from oss_plus.overlap import (
     overlap_hook,
     overlap_with_ddp,
 )
+from oss_plus.overlap.layout import STEP_WHILE_OVERLAPPED, OverlapSync
+from oss_plus.overlap.plan import Assignment, local_order, owner_pieces, torch_assignments
 
 
 # ------------------------------------------------------------------ the plan (pure)
@@ -189,13 +189,14 @@ def parity_task(ctx, opt_name, configs, iters):
         ref = build(ctx, copy.deepcopy(model), opt_name, static=static)
         same = train_both(ctx, pair, ref, range(iters), decay_lr=True)
         layout = pair[1].sync
-        owners = {b.owner for b in layout.buckets} if isinstance(layout, OverlapSync) else set()
+        overlapped = isinstance(layout, OverlapSync)
+        owners = {b.owner for b in layout.buckets} if overlapped else set()
         out.append(
             {
                 "config": (interleaved, static, gabv),
                 "same": same,
                 "params": flat(pair[0]),
-                "entries": len(getattr(layout, "entries", {})),
+                "entries": len(layout.layout.entries) if overlapped else 0,
                 "owners": owners,
             }
         )
@@ -414,7 +415,7 @@ class _Records(logging.Handler):
 
 def step_task(ctx):
     records = _Records()
-    log = logging.getLogger("oss_plus._overlap_layout")
+    log = logging.getLogger("oss_plus.overlap.layout")
     log.addHandler(records)
     try:
         ddp, opt = build(ctx, make_model(), "sgd_momentum", overlap=False)

@@ -9,6 +9,7 @@ from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, ma
 from torch.profiler import ProfilerActivity, profile
 
 from oss_plus import OSS, sync
+from oss_plus._layout import owner_buckets
 from oss_plus.sync import (
     BAD_TRANSPORT,
     TRANSPORT_ENV,
@@ -250,9 +251,11 @@ def test_the_sync_path_allocates_nothing_over_100_steps(pool, kind, wire):
 def all_gather_layout_task(ctx):
     params = list(make_model().parameters())
     by_owner = [params[r :: ctx.world_size] for r in range(ctx.world_size)]
-    layout = BucketSync(by_owner, ctx.group, transport="all_gather")
-    regions = {g.region for g in layout._gathers}
-    flats = [g.flat.numel() for g in layout._gathers]
+    keys = sync.gathered_keys(by_owner, "all_gather", ctx.group)
+    buckets, gathers = owner_buckets(by_owner, aligned=True, gathered=keys)
+    layout = BucketSync(buckets, ctx.group, gathers)
+    regions = {g.region for g in layout.gathers}
+    flats = [g.flat.numel() for g in layout.gathers]
     return regions, layout.wire_bytes(), layout.wire_bytes(torch.bfloat16), flats
 
 

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus._overlap_layout import OverlapSync
-from oss_plus._overlap_plan import Assignment, local_order, torch_assignments
 from oss_plus.overlap import CommHook, DDPOverlap
+from oss_plus.overlap.layout import OverlapSync
+from oss_plus.overlap.plan import Assignment, local_order, torch_assignments
 from oss_plus.partition import Rule
 from oss_plus.plan import ShardPlan
 
@@ -251,18 +251,8 @@ def _make(
     return engine.hook
 
 
-def hook_with_zero_step(
-    hook: CommHook,
-    ddp: DistributedDataParallel,
-    zero: ZeroRedundancyOptimizer,
-    shard_buckets: bool = False,
-) -> CommHook:
-    """Return ``hook`` extended to run ``zero``'s step after the last bucket is computed.
-
-    When the last gradient bucket is ready, each bucket in order: wait for its reduction,
-    step the params this rank owns in it, start its broadcast; then wait for the broadcasts.
-    The optimizer computation overlaps the reductions still in flight.
-
+#: The part of the two hooks' docstrings they share (appended to each).
+_HOOK_DOC = """
     Args:
         hook: the reduction hook (e.g. ``allreduce_hook``); ``state=None`` at registration
             means DDP's process group.
@@ -276,11 +266,27 @@ def hook_with_zero_step(
     Raises:
         ValueError: ``zero`` was built with ``overlap_with_ddp=False``, or ``ddp`` and
             ``zero`` hold different params or ranks.
+        Exception: from ``backward()`` on every rank, when one rank's step raised (see
+            :mod:`oss_plus.overlap`).
 
     .. warning:: The first 2 iterations (3 with ``static_graph=True``) do not update the
        params, as in torch (see :class:`TorchWarmup`).
 
     .. warning:: Collective: the hook runs on every rank of the group inside ``backward()``.
+    """
+
+
+def hook_with_zero_step(
+    hook: CommHook,
+    ddp: DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool = False,
+) -> CommHook:
+    """Return ``hook`` extended to run ``zero``'s step after the last bucket is computed.
+
+    When the last gradient bucket is ready, each bucket in order: wait for its reduction,
+    step the params this rank owns in it, start its broadcast; then wait for the broadcasts.
+    The optimizer computation overlaps the reductions still in flight.
     """
     return _make(hook, ddp, zero, shard_buckets, interleaved=False)
 
@@ -296,24 +302,9 @@ def hook_with_zero_step_interleaved(
     Each bucket's step runs in a callback of its reduction while backward continues; its
     broadcast is issued from the next bucket's hook (on NCCL at once), so every rank issues
     its collectives in the same order, which is what makes this work on gloo.
-
-    Args:
-        hook: the reduction hook (e.g. ``allreduce_hook``); ``state=None`` at registration
-            means DDP's process group.
-        ddp: the DDP model.
-        zero: a ``ZeroRedundancyOptimizer(..., overlap_with_ddp=True)`` over ``ddp``'s params.
-        shard_buckets: cut each DDP bucket across ranks (else each bucket goes to one rank).
-
-    Returns:
-        The hook for ``ddp.register_comm_hook(None, ...)``.
-
-    Raises:
-        ValueError: ``zero`` was built with ``overlap_with_ddp=False``, or ``ddp`` and
-            ``zero`` hold different params or ranks.
-
-    .. warning:: The first 2 iterations (3 with ``static_graph=True``) do not update the
-       params, as in torch (see :class:`TorchWarmup`).
-
-    .. warning:: Collective: the hook runs on every rank of the group inside ``backward()``.
     """
     return _make(hook, ddp, zero, shard_buckets, interleaved=True)
+
+
+for _hook in (hook_with_zero_step, hook_with_zero_step_interleaved):
+    _hook.__doc__ = (_hook.__doc__ or "").rstrip() + "\n" + _HOOK_DOC

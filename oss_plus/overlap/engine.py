@@ -1,41 +1,7 @@
-"""Overlap the sharded optimizer step with DDP's gradient all-reduce, inside a comm hook.
+"""The engine of the overlapped step: :class:`DDPOverlap` and its two entry points.
 
-With plain DDP + :class:`oss_plus.OSS`, ``backward()`` all-reduces the gradients bucket by
-bucket, then ``step()`` updates this rank's shard and broadcasts every shard. Here the step
-moves into DDP's communication hook: as soon as a gradient bucket is reduced, every rank
-steps the params of that bucket it owns and broadcasts them, while DDP is still reducing
-later buckets. The training loop calls no ``step()``::
-
-    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=pg, lr=1e-3)
-    ddp = DDP(model, process_group=pg)
-    overlap_with_ddp(ddp, opt)
-    for batch in batches:
-        opt.zero_grad()
-        ddp(batch).sum().backward()          # reduces, steps and broadcasts
-
-The optimizer keeps its own partition (no state moves, checkpoints are unchanged) and
-updates from the first iteration: there is no warm-up. With the default reduction hook
-(:func:`ddp_reduce_hook`) results are bit-identical in fp32 to plain DDP + the unsharded
-optimizer (see ``docs/overlap.md``).
-
-Two schedules, as in torch:
-
-* default (``interleaved=False``, torch's ``hook_with_zero_step``): when the last bucket's
-  gradients are computed, wait for each bucket's all-reduce in order, step it, start its
-  broadcasts; then wait for the broadcasts.
-* ``interleaved=True`` (torch's ``hook_with_zero_step_interleaved``): each bucket is stepped
-  as soon as its all-reduce completes (a ``then`` callback), while backward goes on.
-
-Why torch's interleaved hook hangs on gloo, and what is done instead: a gloo future's
-``then`` callbacks run on the process group's worker threads in completion order, which
-differs between ranks, and torch issues the bucket's broadcasts from that callback on the
-same group the autograd thread issues all-reduces on. Each rank then issues its collectives
-in a different order (measured: rank 0 ``broadcast(10050), broadcast(20200)``, rank 1 the
-reverse), and gloo pairs collectives by issue order: a hang. Here callbacks only *compute*
-(the local step); every collective is issued from the hook, i.e. the autograd thread, in
-bucket order: the broadcasts of bucket ``i`` are issued when bucket ``i + 1`` arrives (on
-NCCL, whose futures complete at launch, right away), after its step finished. The order is
-then the same on every rank on any backend, and no extra process group is needed.
+See :mod:`oss_plus.overlap` for the schedules and why every collective is issued from the
+hook (the autograd thread) in bucket order.
 """
 
 # No ``from __future__ import annotations``: DDP inspects the annotations of the hook it is
@@ -51,32 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus._overlap_ddp import (
-    GROUP_MISMATCH,
-    PARAM_NOT_IN_DDP,
-    PARAM_NOT_IN_OPTIMIZER,
-    CommHook,
-    check_pairing,
-    ddp_reduce_hook,
-    grad_views,
-)
-from oss_plus._overlap_layout import Entry, OverlapSync
-from oss_plus._overlap_plan import owner_pieces
 from oss_plus.optimizer import OSS
+from oss_plus.overlap.ddp import CommHook, check_pairing, ddp_reduce_hook, grad_views
+from oss_plus.overlap.layout import Entry, OverlapSync
+from oss_plus.overlap.plan import owner_pieces
 from oss_plus.plan import ShardPlan
 from oss_plus.state import copy_hyper
 
-__all__ = [
-    "GROUP_MISMATCH",
-    "PARAMS_CHANGED",
-    "PARAM_NOT_IN_DDP",
-    "PARAM_NOT_IN_OPTIMIZER",
-    "DDPOverlap",
-    "check_pairing",
-    "ddp_reduce_hook",
-    "overlap_hook",
-    "overlap_with_ddp",
-]
+__all__ = ["PARAMS_CHANGED", "DDPOverlap", "Gate", "Planner", "overlap_hook", "overlap_with_ddp"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +84,10 @@ class DDPOverlap:
         self._pending: list[tuple[dist.GradBucket, Entry, torch.futures.Future[Any]]] = []
         self._stepped: list[tuple[Entry, torch.futures.Future[Any]]] = []
         self._works: list[Callable[[], None]] = []
+        self._sent: list[Entry] = []
         self._issued = 0
         self._wire: torch.dtype | None = None
+        self._error: Exception | None = None
 
     def _describe(self) -> list[tuple[int, bool]]:
         return [(id(p), p.requires_grad) for p in self.optimizer.flat_params()]
@@ -193,18 +143,27 @@ class DDPOverlap:
         if not isinstance(sync, OverlapSync) or not sync.is_intact() or moved:
             opt.install_sync(lambda: OverlapSync(opt.group))
         opt.drop_consolidated()
-        self._pending, self._stepped, self._works, self._issued = [], [], [], 0
+        self._reset()
         self._wire = opt.wire_dtype
         copy_hyper(opt.param_groups, opt.optim.param_groups)
 
+    def _reset(self) -> None:
+        self._pending, self._stepped, self._works, self._sent = [], [], [], []
+        self._issued, self._error = 0, None
+
     def _end(self) -> None:
-        """After the last bucket: wait for the broadcasts, hyperparams out."""
+        """After the last bucket: wait for the broadcasts, raise on every rank if any rank's
+        step raised (:meth:`oss_plus.sync.BucketSync.settle`), hyperparams out."""
         opt = self.optimizer
-        with torch.profiler.record_function("oss_plus::overlap.wait"):
-            for finish in self._works:
-                finish()
+        error, sent = self._error, self._sent
+        try:
+            with torch.profiler.record_function("oss_plus::overlap.wait"):
+                for finish in self._works:
+                    finish()
+        finally:
+            self._reset()
+        self._layout().settle(error, sent)
         copy_hyper(opt.optim.param_groups, opt.param_groups)
-        self._pending, self._stepped, self._works, self._issued = [], [], [], 0
 
     # ----------------------------------------------------------------- the two schedules
     def _step_all(self) -> None:
@@ -216,7 +175,9 @@ class DDPOverlap:
         self._end()
 
     def _broadcast(self, entry: Entry) -> None:
-        self._works += self._layout().broadcast(entry, self._wire)
+        failed = self._error is not None
+        self._works += self._layout().broadcast(entry, self._wire, failed)
+        self._sent.append(entry)
 
     def _interleave(
         self, bucket: dist.GradBucket, entry: Entry, fut: torch.futures.Future[Any]
@@ -244,9 +205,11 @@ class DDPOverlap:
         """Step the params of ``entry`` this rank owns with the reduced gradients.
 
         The inner optimizer sees only those params (its groups are narrowed for the call)
-        and their ``.grad`` temporarily point at the reduced values; both are restored.
+        and their ``.grad`` temporarily point at the reduced values; both are restored. An
+        exception is kept (and later buckets are not stepped): the pieces still travel,
+        carrying the failure, and :meth:`_end` raises it on every rank.
         """
-        if not entry.owned:
+        if not entry.owned or self._error is not None:
             return
         grads = grad_views(bucket, value)
         with self._lock, torch.profiler.record_function("oss_plus::overlap.step"):
@@ -260,6 +223,8 @@ class DDPOverlap:
                 for p, position in zip(entry.owned, entry.positions):
                     p.grad = grads[position]
                 inner.step()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by _end
+                self._error = exc
             finally:
                 for group, params in zip(inner.param_groups, saved):
                     group["params"] = params

@@ -1,0 +1,226 @@
+"""An exception in one rank's local step raises on every rank, with no hang (issue 13).
+
+The optimizer, a closure or an inner-optimizer hook raises on ONE rank; every rank of the
+group must raise, naming the failing rank and its error, after every broadcast completed
+(the replicas hold the same values, and the group stays usable). Timeouts are small so that
+a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import WORLD_IDS, WORLDS, backward, catch, flat_params, make_model
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import oss_plus._dist
+from oss_plus import OSS
+from oss_plus.sync import TRANSPORT_ENV
+
+#: Seconds a task may take: a hang fails the test fast.
+TIMEOUT = 20
+BOOM = "boom: the inner step failed on rank {rank}"
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD whose step, when ``fail`` is set, updates the first param of each group
+    (a half-done step) and then raises IndexError."""
+
+    fail = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.fail:
+            return super().step(closure)
+        for group in self.param_groups:
+            if group["params"]:
+                group["params"][0].add_(1.0)
+        raise IndexError(BOOM.format(rank=dist.get_rank()))
+
+
+def check_everyone_raised(results, failing, kind="IndexError", text=None, wire=None):
+    """The failing rank raises its own error; every other rank one of the same type naming
+    the failing rank and its message; the replicas hold the same params (rounded to the
+    wire dtype: each owner keeps its exact values)."""
+    text = text or BOOM.format(rank="")
+    same = torch.equal if wire is None else (lambda a, b: torch.equal(a.to(wire), b.to(wire)))
+    for rank, (outcome, after, _) in enumerate(results):
+        name, message = outcome
+        assert name == kind, (rank, outcome)
+        assert text in message, (rank, message)
+        if rank != failing:
+            assert f"rank(s) [{failing}]" in message, message
+        assert same(after, results[0][1])  # every broadcast completed
+    for _, _, later in results:
+        assert same(later, results[0][2])  # the group is still usable afterwards
+
+
+def make_optimizer(ctx, params, kind):
+    if kind == "core":
+        return OSS(params, optim=FailingSGD, group=ctx.group, lr=0.1)
+    if kind == "fairscale":
+        from oss_plus.compat.fairscale import OSS as FairscaleOSS
+
+        return FairscaleOSS(params, optim=FailingSGD, group=ctx.group, lr=0.1)
+    from oss_plus.compat.torch import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        params,
+        FailingSGD,
+        process_group=ctx.group,
+        parameters_as_bucket_view=kind == "torch_bucket_view",
+        lr=0.1,
+    )
+
+
+@contextlib.contextmanager
+def transport(name):
+    os.environ[TRANSPORT_ENV] = name
+    try:
+        yield
+    finally:
+        del os.environ[TRANSPORT_ENV]
+
+
+def fail_task(ctx, failing, kind="core", via="broadcast", wire=None, how="optimizer"):
+    model = make_model()
+    with transport(via):
+        opt = make_optimizer(ctx, model.parameters(), kind)
+    opt.broadcast_dtype = wire
+    backward(model, 0)
+    opt.step()  # a good step first
+    opt.zero_grad()
+    backward(model, 1)
+    closure, handle = None, None
+    if ctx.rank == failing:
+        if how == "optimizer":
+            opt.optim.fail = True
+        elif how == "closure":
+
+            def closure():
+                raise KeyError("the closure failed")
+
+        else:
+
+            def hook(optimizer, args, kwargs):
+                raise ValueError("an inner step pre-hook failed")
+
+            handle = opt.optim.register_step_pre_hook(hook)
+    outcome = catch(opt.step, closure)
+    after = flat_params(model)
+    opt.optim.fail = False
+    if handle is not None:
+        handle.remove()
+    opt.zero_grad()
+    backward(model, 2)
+    opt.step()  # every rank goes on together
+    return outcome, after, flat_params(model)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_a_failing_inner_step_raises_on_every_rank(pool, world):
+    size = len(world.get("ranks", ())) or world["world_size"]
+    failing = size - 1
+    results = pool.run(fail_task, failing, timeout=TIMEOUT, **world)
+    check_everyone_raised(results, failing)
+
+
+@pytest.mark.parametrize("via", ["broadcast", "all_gather"])
+@pytest.mark.parametrize("wire", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_transport_and_compression_carries_the_failure(pool, via, wire):
+    results = pool.run(fail_task, 0, "core", via, wire, world_size=3, timeout=TIMEOUT)
+    check_everyone_raised(results, 0, wire=wire)
+
+
+@pytest.mark.parametrize("kind", ["fairscale", "torch", "torch_bucket_view"])
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "off"])
+def test_the_adapters_raise_on_every_rank(pool, kind, world):
+    results = pool.run(fail_task, 1, kind, timeout=TIMEOUT, **world)
+    check_everyone_raised(results, 1)
+
+
+@pytest.mark.parametrize(
+    "how, kind, text", [("closure", "KeyError", "closure"), ("hook", "ValueError", "pre-hook")]
+)
+def test_a_failing_closure_or_inner_hook_raises_on_every_rank(pool, how, kind, text):
+    results = pool.run(fail_task, 1, "core", "broadcast", None, how, world_size=3, timeout=TIMEOUT)
+    check_everyone_raised(results, 1, kind, text)
+
+
+def owns_nothing_task(ctx):
+    """3 ranks, 2 params: rank 2 owns nothing and its step raises (the LBFGS case)."""
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+    opt = OSS(params, optim=FailingSGD, group=ctx.group, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    owned = sum(len(g["params"]) for g in opt.optim.param_groups)
+    opt.optim.fail = ctx.rank == 2
+    outcome = catch(opt.step)
+    return outcome, owned, torch.cat([p.detach() for p in params])
+
+
+def test_a_rank_that_owns_nothing_still_reports_its_failure(pool):
+    results = pool.run(owns_nothing_task, world_size=3, timeout=TIMEOUT)
+    assert [owned for _, owned, _ in results] == [1, 1, 0]
+    for rank, (outcome, _, after) in enumerate(results):
+        assert outcome[0] == "IndexError" and "boom" in outcome[1], outcome
+        assert rank == 2 or "rank(s) [2]" in outcome[1]
+        assert torch.equal(after, torch.full((7,), 0.9))  # the two owners' steps arrived
+
+
+def agree_count_task(ctx, n_params):
+    """How many times the status agreement runs in 3 good steps."""
+    calls = []
+    original = oss_plus._dist.agree
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    params = [torch.nn.Parameter(torch.ones(5 + i)) for i in range(n_params)]
+    opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    oss_plus._dist.agree = counting
+    try:
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+    finally:
+        oss_plus._dist.agree = original
+    return len(calls)
+
+
+def test_no_extra_collective_unless_a_rank_sends_no_bucket(pool):
+    assert pool.run(agree_count_task, 6, world_size=3, timeout=TIMEOUT) == [0, 0, 0]
+    assert pool.run(agree_count_task, 2, world_size=3, timeout=TIMEOUT) == [3, 3, 3]
+
+
+# ------------------------------------------------------------------ the overlapped step
+def overlap_task(ctx, failing, interleaved):
+    from oss_plus.overlap import overlap_with_ddp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 60), torch.nn.Linear(60, 4))
+    ddp = DDP(model, process_group=ctx.group, bucket_cap_mb=0.0006)
+    opt = OSS(ddp.parameters(), optim=FailingSGD, group=ctx.group, lr=0.1)
+    overlap_with_ddp(ddp, opt, interleaved=interleaved)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(ctx.rank))
+    for it in range(3):
+        opt.zero_grad()
+        opt.optim.fail = it == 2 and ctx.rank == failing
+        outcome = catch(lambda: ddp(x).pow(2).mean().backward())
+    return outcome, flat_params(model), None
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["after_last", "interleaved"])
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "off"])
+def test_the_overlapped_step_raises_on_every_rank(pool, interleaved, world):
+    results = pool.run(overlap_task, 1, interleaved, timeout=TIMEOUT, **world)
+    for rank, (outcome, after, _) in enumerate(results):
+        assert outcome[0] == "IndexError" and "boom" in outcome[1], (rank, outcome)
+        assert rank == 1 or "rank(s) [1]" in outcome[1], outcome
+        assert torch.equal(after, results[0][1])
