@@ -17,12 +17,22 @@ The package, by concern (imports flow down the list):
   atomic commit); no collectives.
 - :mod:`~oss_plus.checkpoint.comm`: the save's collectives (JSON metadata, the bounded
   tensor stream to rank 0), no pickle.
-- :mod:`~oss_plus.checkpoint.save`, :mod:`~oss_plus.checkpoint.read`: the public functions.
+- :mod:`~oss_plus.checkpoint.save`, :mod:`~oss_plus.checkpoint.read`: the public functions;
+  :mod:`~oss_plus.checkpoint.background`: asynchronous saves (staging, the writer thread).
 - :mod:`~oss_plus.checkpoint.cli`: ``python -m oss_plus ckpt inspect | convert``.
 """
 
+from oss_plus.checkpoint.background import PREVIOUS_SAVE_FAILED, staging_nbytes
 from oss_plus.checkpoint.plan import NOT_OSS
 from oss_plus.checkpoint.read import load_checkpoint, read_state_dict
 from oss_plus.checkpoint.save import save_checkpoint, write_state_dict
 
-__all__ = ["NOT_OSS", "load_checkpoint", "read_state_dict", "save_checkpoint", "write_state_dict"]
+__all__ = [
+    "NOT_OSS",
+    "PREVIOUS_SAVE_FAILED",
+    "load_checkpoint",
+    "read_state_dict",
+    "save_checkpoint",
+    "staging_nbytes",
+    "write_state_dict",
+]

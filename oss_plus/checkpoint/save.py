@@ -10,15 +10,17 @@ the previous checkpoint stays whole.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from oss_plus import _dist
-from oss_plus.checkpoint import comm, storage
+from oss_plus.checkpoint import background, comm, storage
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
     Index,
@@ -51,7 +53,13 @@ _SAVE_ID_LENGTH = 16
 Snapshot = Callable[[Entries], Entries]
 
 
-def save_checkpoint(optimizer: Any, path: str | os.PathLike[str], *, sharded: bool = True) -> None:
+def save_checkpoint(
+    optimizer: Any,
+    path: str | os.PathLike[str],
+    *,
+    sharded: bool = True,
+    blocking: bool = True,
+) -> Future[str] | None:
     """Save the optimizer state to the directory ``path``, atomically.
 
     With ``sharded=True`` every rank writes the state of the params it owns to its own
@@ -67,10 +75,23 @@ def save_checkpoint(optimizer: Any, path: str | os.PathLike[str], *, sharded: bo
     A sharded save needs ``path`` on a filesystem every rank of the group can reach; a
     consolidated save only touches the filesystem on group rank 0.
 
+    With ``blocking=False`` the call returns as soon as this rank's state is copied into
+    reusable staging buffers (pinned CPU memory for GPU state, one shard's worth per rank);
+    a background thread writes and commits the checkpoint over a gloo process group made
+    for checkpoints, so the training may step, change params and state or load another
+    state meanwhile: the checkpoint holds the state at the call. The returned future's
+    result is ``path``; a failure on any rank is the future's exception on every rank and
+    is raised again (as RuntimeError) by the next save. A save, blocking or not, first
+    waits for the one in flight. See ``docs/checkpoints.md``.
+
     Args:
         optimizer: the :class:`oss_plus.OSS` optimizer.
         path: the checkpoint directory (created if needed; a previous checkpoint is replaced).
         sharded: one file per rank (fast, default) or one consolidated file.
+        blocking: return after the commit (default), or right after the snapshot.
+
+    Returns:
+        None, or with ``blocking=False`` a :class:`concurrent.futures.Future` of ``path``.
 
     Raises:
         TypeError: ``optimizer`` is not an OSS, or its state holds a value that cannot be
@@ -78,6 +99,7 @@ def save_checkpoint(optimizer: Any, path: str | os.PathLike[str], *, sharded: bo
         NotADirectoryError: ``path`` is a file.
         ValueError: ``path`` holds an ``index.json`` that is not an oss_plus index.
         OSError: a write failed on some rank (every rank raises; ``path`` is unchanged).
+        RuntimeError: the previous asynchronous save failed (raised once, on every rank).
 
     Example:
         >>> save_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
@@ -86,7 +108,14 @@ def save_checkpoint(optimizer: Any, path: str | os.PathLike[str], *, sharded: bo
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "save_checkpoint")
-    execute(make_plan(optimizer, path, sharded), optimizer.group)
+    saver = background.saver_of(optimizer)
+    saver.settle()
+    if blocking:
+        execute(make_plan(optimizer, path, sharded), optimizer.group)
+        return None
+    group = saver.group
+    plan = make_plan(optimizer, path, sharded, snapshot=saver.staging.copy)
+    return saver.submit(lambda: execute(plan, group), plan.target)
 
 
 def make_plan(
@@ -107,8 +136,10 @@ def make_plan(
 
     def prepare() -> None:
         entries = split_state(optimizer.export_local_state())
-        made["index"] = describe(optimizer, layout_of(sharded), "")
-        made["entries"] = entries if snapshot is None else snapshot(entries)
+        index = describe(optimizer, layout_of(sharded), "")
+        if snapshot is not None:  # the index must not see later changes to the groups
+            entries, index = snapshot(entries), copy.deepcopy(index)
+        made["index"], made["entries"] = index, entries
         if rank == 0:
             made["save_id"] = storage.new_save_id()
             storage.prepare_stage(target, made["save_id"])
