@@ -23,6 +23,7 @@ import pytest
 import torch
 from dist_utils import make_model, params_equal, train
 from test_checkpoint import diff
+from test_checkpoint_files import SCRIPT_HEAD
 
 import oss_plus
 from oss_plus import OSS, save_checkpoint
@@ -174,19 +175,9 @@ def test_staging_is_one_shard_allocated_once_over_50_saves(pool, tmp_path):
         assert problem is None
 
 
-SCRIPT = """
-import os, signal, sys, tempfile, time
-import torch, torch.distributed as dist
-sys.path[:0] = [{repo!r}, {tests!r}]
-from dist_utils import make_model, train
-from oss_plus import OSS, save_checkpoint
-from oss_plus.checkpoint import storage
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-model = make_model()
-opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
-train(model, opt, 1)
-save_checkpoint(opt, {path!r}, sharded={sharded})
-train(model, opt, 1, start=1)
+SCRIPT = (
+    SCRIPT_HEAD
+    + """
 real = storage.commit
 def slow_commit(*args, **kwargs):
     time.sleep(1.0)
@@ -197,6 +188,7 @@ storage.commit = slow_commit
 save_checkpoint(opt, {path!r}, sharded={sharded}, blocking=False)
 train(model, opt, 1, start=2)  # the script ends with the save in flight
 """
+)
 
 
 @pytest.mark.parametrize("sharded", LAYOUTS, ids=LAYOUT_IDS)

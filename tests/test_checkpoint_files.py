@@ -237,8 +237,9 @@ def test_a_plain_torch_optimizer_is_pointed_to_the_dict_functions(tmp_path, fn):
         fn(torch.optim.SGD(make_model().parameters(), lr=0.1), tmp_path / "c")
 
 
-KILL_SCRIPT = """
-import os, signal, sys, tempfile
+#: A 1-rank script: one Adam step, a save, a second step (shared with test_checkpoint_async).
+SCRIPT_HEAD = """
+import os, signal, sys, tempfile, time
 import torch, torch.distributed as dist
 sys.path[:0] = [{repo!r}, {tests!r}]
 from dist_utils import make_model, train
@@ -250,7 +251,10 @@ opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
 train(model, opt, 1)
 save_checkpoint(opt, {path!r}, sharded={sharded})
 train(model, opt, 1, start=1)
-kill = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+"""
+KILL_SCRIPT = (
+    SCRIPT_HEAD
+    + """kill = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 if {point!r} == "before commit":
     storage.commit = kill
 else:  # after the data files moved in, before index.json is replaced
@@ -258,6 +262,7 @@ else:  # after the data files moved in, before index.json is replaced
     os.replace = lambda a, b: kill() if str(b).endswith("index.json") else real_replace(a, b)
 save_checkpoint(opt, {path!r}, sharded={sharded})
 """
+)
 
 
 @pytest.mark.parametrize(("point", "sharded"), [("before commit", True), ("inside commit", False)])
