@@ -7,7 +7,7 @@ Every helper takes the process group explicitly; ranks are group-local unless a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -73,6 +73,56 @@ _SHARED_ERRORS: dict[str, type[Exception]] = {
 }
 
 T = TypeVar("T")
+
+
+#: A piece of a message: (item index in the stream, first byte within the item, length).
+Piece = tuple[int, int, int]
+
+
+def message_plan(
+    sizes: Sequence[int],
+    *,
+    pack_bytes: int = 16 << 20,
+    alone_bytes: int = 1 << 20,
+    chunk_bytes: int | None = None,
+    kinds: Sequence[Hashable] | None = None,
+) -> list[list[Piece]]:
+    """Cut a stream of items of ``sizes`` bytes into bounded messages (pure).
+
+    The one packing rule of every bounded transfer (state exchange, the consolidated
+    checkpoint stream): items of at least ``min(alone_bytes, pack_bytes)`` travel alone,
+    whole or in chunks of at most ``chunk_bytes``; smaller ones are packed together up to
+    ``pack_bytes``; a change of ``kinds[i]`` (e.g. source, destination, dtype) starts a new
+    message; empty items travel in no message. Both ends compute the same plan.
+
+    Example:
+        >>> message_plan([4, 8, 0, 4])
+        [[(0, 0, 4), (1, 0, 8), (3, 0, 4)]]
+        >>> message_plan([4, 8, 4], kinds=["a", "a", "b"])
+        [[(0, 0, 4), (1, 0, 8)], [(2, 0, 4)]]
+        >>> message_plan([10], alone_bytes=8, chunk_bytes=4)
+        [[(0, 0, 4)], [(0, 4, 4)], [(0, 8, 2)]]
+    """
+    messages: list[list[Piece]] = []
+    run: list[Piece] = []
+    filled, kind = 0, None
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        alone = n >= min(alone_bytes, pack_bytes)
+        new_kind = kinds[i] if kinds is not None else None
+        if run and (alone or filled + n > pack_bytes or new_kind != kind):
+            messages.append(run)
+            run, filled = [], 0
+        if alone:
+            step = chunk_bytes or n
+            messages.extend([(i, start, min(step, n - start))] for start in range(0, n, step))
+            continue
+        run.append((i, 0, n))
+        filled, kind = filled + n, new_kind
+    if run:
+        messages.append(run)
+    return messages
 
 
 def pad_bytes(data: bytes, group: Any) -> tuple[torch.Tensor, list[int]]:

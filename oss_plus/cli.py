@@ -15,7 +15,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "demo": "oss_plus.demo",
     "bench": "oss_plus.bench.cli",
-    "ckpt": "oss_plus.checkpoint_cli",
+    "ckpt": "oss_plus.checkpoint.cli",
 }
 
 

@@ -11,17 +11,17 @@ bounded packing buffer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import comm_device, global_rank
+from oss_plus._dist import comm_device, global_rank, message_plan
 from oss_plus.state import ParamState
 
-__all__ = ["Transfer", "exchange_states", "ALL_RANKS"]
+__all__ = ["ALL_RANKS", "Transfer", "exchange_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,31 +72,6 @@ def _holds_tensor(value: Any) -> bool:
         isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and _holds_tensor(v))
         for v in items
     )
-
-
-def _runs(
-    slots: list[tuple[Transfer, str, _TensorMeta]],
-) -> Iterator[list[tuple[Transfer, str, _TensorMeta]]]:
-    """Split the ordered tensor slots into messages: same (src, dst, dtype), bounded size."""
-    run: list[tuple[Transfer, str, _TensorMeta]] = []
-    size = 0
-    for slot in slots:
-        t, _, meta = slot
-        nbytes = _numel(meta.shape) * meta.dtype.itemsize
-        alone = nbytes >= ALONE_BYTES
-        if run:
-            head, _, head_meta = run[0]
-            same = (head.src, head.dst, head_meta.dtype) == (t.src, t.dst, meta.dtype)
-            if alone or not same or size + nbytes > PACK_BYTES:
-                yield run
-                run, size = [], 0
-        run.append(slot)
-        size += nbytes
-        if alone:
-            yield run
-            run, size = [], 0
-    if run:
-        yield run
 
 
 def _to(value: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -160,8 +135,19 @@ def exchange_states(
                 elif t.src != t.dst:
                     slots.append((t, key, value))
     device = comm_device(group)
-    for run in _runs(slots):
+    sizes = [_numel(meta.shape) * meta.dtype.itemsize for _, _, meta in slots]
+    kinds = [(t.src, t.dst, meta.dtype) for t, _, meta in slots]
+    for message in message_plan(sizes, pack_bytes=PACK_BYTES, alone_bytes=ALONE_BYTES, kinds=kinds):
+        run = [slots[i] for i, _, _ in message]
         _move_run(run, local_states, received, rank, group, device, out_device)
+    for (t, key, empty), size in zip(slots, sizes):  # empty tensors travel in no message
+        if size == 0 and t.index in received:
+            own = t.src == rank
+            received[t.index][key] = (
+                _to(local_states[t.index][key], out_device)
+                if own
+                else torch.empty(empty.shape, dtype=empty.dtype, device=out_device or device)
+            )
     return received
 
 

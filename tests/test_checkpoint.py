@@ -21,8 +21,8 @@ import torch.distributed as dist
 from dist_utils import WORLD_IDS, WORLDS, catch, make_model, params_equal, train
 from safetensors.torch import load_file, save_file
 
-from oss_plus import OSS, _ckpt_io, _ckpt_read, load_checkpoint, save_checkpoint
-from oss_plus.checkpoint import read_state_dict
+from oss_plus import OSS, load_checkpoint, save_checkpoint
+from oss_plus.checkpoint import read, read_state_dict, storage
 
 # ------------------------------------------------------------------ shared helpers
 
@@ -375,14 +375,14 @@ def traffic_task(ctx, root, sharded, chunk):
 
         return call
 
-    old_chunk = _ckpt_io.CHUNK_BYTES
+    old_chunk = storage.CHUNK_BYTES
     try:
-        _ckpt_io.CHUNK_BYTES = chunk
+        storage.CHUNK_BYTES = chunk
         for name in originals:
             setattr(dist, name, spy(name))
         save_checkpoint(opt, root, sharded=sharded)
     finally:
-        _ckpt_io.CHUNK_BYTES = old_chunk
+        storage.CHUNK_BYTES = old_chunk
         for name, fn in originals.items():
             setattr(dist, name, fn)
     state_bytes = sum(
@@ -414,28 +414,28 @@ def test_a_consolidated_save_streams_in_bounded_chunks(pool, tmp_path):
 
 def reads_task(ctx, root):
     fresh = OSS(build("plain").parameters(), optim=torch.optim.Adam, group=ctx.group, lr=1)
-    read: list[str] = []
-    original = _ckpt_read._read_tensor
+    names: list[str] = []
+    original = read._read_tensor
 
     def spy(handle, file, ref):
-        read.append(ref.name)
+        names.append(ref.name)
         return original(handle, file, ref)
 
-    _ckpt_read._read_tensor = spy
+    read._read_tensor = spy
     try:
         load_checkpoint(fresh, root)
     finally:
-        _ckpt_read._read_tensor = original
-    return read, fresh.plan.owned(fresh.rank)
+        read._read_tensor = original
+    return names, fresh.plan.owned(fresh.rank)
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "consolidated"])
 def test_load_reads_only_the_tensors_this_rank_owns(pool, tmp_path, sharded):
     pool.run(save_task, str(tmp_path / "c"), sharded=sharded, world_size=2)
     everything = []
-    for read, owned in pool.run(reads_task, str(tmp_path / "c"), world_size=3):
-        assert {int(name.split(".")[1]) for name in read} == set(owned)
-        everything += read
+    for names, owned in pool.run(reads_task, str(tmp_path / "c"), world_size=3):
+        assert {int(name.split(".")[1]) for name in names} == set(owned)
+        everything += names
     assert len(everything) == len(set(everything)) == 8 * 4  # each tensor read once, by its owner
 
 
@@ -488,9 +488,9 @@ def inject(point: str):
         raise OSError(errno.EIO, "I/O error while reading state (injected)")
 
     return {
-        "open_writer": (_ckpt_io, "open_writer", disk_full),
-        "byte_view": (_ckpt_io, "byte_view", failing_bytes),
-        "commit": (_ckpt_io, "commit", disk_full),
+        "open_writer": (storage, "open_writer", disk_full),
+        "byte_view": (storage, "byte_view", failing_bytes),
+        "commit": (storage, "commit", disk_full),
     }[point]
 
 

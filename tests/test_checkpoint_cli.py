@@ -16,7 +16,7 @@ from test_checkpoint import build, diff, save_task
 
 from oss_plus import OSS, load_checkpoint
 from oss_plus.checkpoint import read_state_dict
-from oss_plus.checkpoint_cli import ProgressBar
+from oss_plus.checkpoint.cli import ProgressBar
 from oss_plus.cli import main
 
 

@@ -11,16 +11,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from oss_plus import _ckpt_io
-from oss_plus._ckpt_format import (
+from oss_plus._dist import message_plan
+from oss_plus.checkpoint import storage
+from oss_plus.checkpoint.format import (
     Index,
     PlainValue,
     TensorRef,
     safetensors_header,
     tensor_name,
 )
-from oss_plus._ckpt_read import check_fits
-from oss_plus._ckpt_values import decode_value, dtype_name, encode_value, torch_dtype
+from oss_plus.checkpoint.read import check_fits
+from oss_plus.checkpoint.values import decode_value, dtype_name, encode_value, torch_dtype
 
 VALUES = [
     None,
@@ -165,7 +166,7 @@ TENSORS = {
 def test_written_files_load_with_safe_open_exactly_and_aligned(tmp_path):
     entries = {i: {key: value} for i, (key, value) in enumerate(TENSORS.items())}
     entries[0]["count"] = PlainValue(3)
-    size, written = _ckpt_io.write_file(tmp_path / "f.safetensors", entries, "0" * 16)
+    size, written = storage.write_file(tmp_path / "f.safetensors", entries, "0" * 16)
     assert size == (tmp_path / "f.safetensors").stat().st_size
     assert written[0]["count"] == PlainValue(3) and isinstance(written[1]["f32"], TensorRef)
     raw = (tmp_path / "f.safetensors").read_bytes()
@@ -266,12 +267,10 @@ def test_check_fits_names_the_mismatch(shapes, dtypes, index, message):
     assert "/ckpt/index.json" in str(info.value)
 
 
-def test_message_plan_packs_small_tensors_and_chunks_big_ones(monkeypatch):
-    from oss_plus import _ckpt_stream
-
-    monkeypatch.setattr(_ckpt_io, "CHUNK_BYTES", 100)
-    monkeypatch.setattr(_ckpt_stream, "ALONE_BYTES", 60)
-    plan = _ckpt_stream.message_plan([4, 30, 0, 250, 50, 40, 20, 8])
+def test_message_plan_packs_small_tensors_and_chunks_big_ones():
+    plan = message_plan(
+        [4, 30, 0, 250, 50, 40, 20, 8], pack_bytes=100, alone_bytes=60, chunk_bytes=100
+    )
     assert plan == [
         [(0, 0, 4), (1, 0, 30)],  # small ones packed
         [(3, 0, 100)],
@@ -285,3 +284,11 @@ def test_message_plan_packs_small_tensors_and_chunks_big_ones(monkeypatch):
     covered = sorted((i, s, n) for message in plan for i, s, n in message)
     sizes = [4, 30, 0, 250, 50, 40, 20, 8]
     assert [sum(n for j, _, n in covered if j == i) for i in range(len(sizes))] == sizes
+
+
+def test_message_plan_keeps_kinds_apart_and_big_items_whole_without_chunks():
+    """The state exchange's use: a change of (src, dst, dtype) starts a message; big items
+    travel whole."""
+    kinds = ["a", "a", "b", "b", "b"]
+    plan = message_plan([10, 10, 10, 500, 10], pack_bytes=100, alone_bytes=60, kinds=kinds)
+    assert plan == [[(0, 0, 10), (1, 0, 10)], [(2, 0, 10)], [(3, 0, 500)], [(4, 0, 10)]]

@@ -187,6 +187,16 @@ def check_checkpoint_api(ns: dict, out: str) -> None:
     assert state_equal(read_state_dict("ckpt/migrated"), sd)
 
 
+def check_async_save(ns: dict, out: str) -> None:
+    from oss_plus.checkpoint import read_state_dict
+
+    assert out.strip().endswith(str(Path("ckpt/async").resolve()))
+    assert state_equal(read_state_dict("ckpt/async"), ns["sd"])  # the state at the call
+    opt = ns["opt"]
+    opt.consolidate_state_dict(-1)
+    assert not state_equal(opt.state_dict(all_ranks=True), ns["sd"])  # the step went on
+
+
 Check = Callable[[dict, str], None]
 #: One check per python block of each page, in order.
 CHECKS: dict[str, list[Check]] = {
@@ -202,14 +212,19 @@ CHECKS: dict[str, list[Check]] = {
         check_checkpoint_migration,
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
-    "checkpoints.md": [check_checkpoint_api],
+    "checkpoints.md": [check_checkpoint_api, check_async_save],
     "README.md": [check_readme],
 }
 #: Files each page must have written, relative to its working directory (the tmp_path).
 WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
     "overlap.md": [],
-    "checkpoints.md": ["old.pt", "ckpt/final/index.json", "ckpt/step_1000/index.json"],
+    "checkpoints.md": [
+        "old.pt",
+        "ckpt/final/index.json",
+        "ckpt/step_1000/index.json",
+        "ckpt/async/index.json",
+    ],
     "README.md": ["optim.pt"],
 }
 

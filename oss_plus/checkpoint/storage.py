@@ -1,6 +1,6 @@
 """Writing checkpoint files: streamed safetensors writes, staging and the atomic commit.
 
-No collectives here; reading is :mod:`oss_plus._ckpt_read`. A save writes into a temporary
+No collectives here; reading is :mod:`oss_plus.checkpoint.read`. A save writes into a temporary
 sibling directory (``.<name>.tmp-<save id>``), fsyncs every file, and :func:`commit` moves
 the data files into the checkpoint directory under names that include the save id (so they
 never overwrite the previous save's files) and then replaces ``index.json`` with one atomic
@@ -17,27 +17,25 @@ import secrets
 import shutil
 import sys
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from oss_plus._ckpt_format import (
+from oss_plus.checkpoint.format import (
     DATA_FILE,
     FORMAT_NAME,
     INDEX_FILE,
-    SAVE_ID_KEY,
     Index,
     TensorRef,
-    safetensors_header,
+    stage_path,
     tensor_name,
 )
-from oss_plus._ckpt_values import dtype_name, torch_dtype
+from oss_plus.checkpoint.plan import Entries, file_header, file_order
+from oss_plus.checkpoint.values import dtype_name
 
 __all__ = [
     "CHUNK_BYTES",
-    "Entries",
     "byte_chunks",
     "byte_view",
     "commit",
@@ -54,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: Tensors are written, sent and received in pieces of at most this many bytes.
 CHUNK_BYTES = 16 << 20
-#: Per param: state key -> tensor (before writing), TensorRef (after) or PlainValue.
-Entries = dict[int, dict[str, Any]]
 #: ``progress(bytes_done, bytes_total)``.
 Progress = Callable[[int, int], None]
 
@@ -66,14 +62,6 @@ def new_save_id() -> str:
 
 
 # ----------------------------------------------------------------------------- writing
-def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
-    """Return the size in bytes of a tensor of safetensors dtype ``dtype`` and ``shape``."""
-    n = torch_dtype(dtype, "tensor").itemsize
-    for s in shape:
-        n *= s
-    return n
-
-
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """Return the raw little-endian bytes of ``tensor`` as a flat uint8 tensor.
 
@@ -106,27 +94,6 @@ def crc32_of(tensor: torch.Tensor) -> int:
 def as_buffer(chunk: torch.Tensor) -> memoryview:
     """Return the bytes of a uint8 ``chunk`` (copied to the CPU only when it is elsewhere)."""
     return memoryview(chunk.cpu().numpy())  # type: ignore[arg-type]
-
-
-def file_order(entries: Mapping[int, Mapping[str, Any]]) -> list[tuple[int, str, Any]]:
-    """Return the tensor entries ``(index, key, tensor or TensorRef)`` in file order.
-
-    Larger element sizes first (so every tensor starts aligned to its element size), then by
-    flat index and key order: every rank computes the same order from the same entries.
-    """
-    items = [
-        (i, k, v)
-        for i in sorted(entries)
-        for k, v in entries[i].items()
-        if isinstance(v, (torch.Tensor, TensorRef))
-    ]
-    return sorted(items, key=lambda item: -_itemsize(item[2]))
-
-
-def _itemsize(value: torch.Tensor | TensorRef) -> int:
-    if isinstance(value, TensorRef):
-        return torch_dtype(value.dtype, value.name).itemsize
-    return value.element_size()
 
 
 class FileWriter:
@@ -184,28 +151,6 @@ def open_writer(file: Path, header: bytes) -> FileWriter:
     return FileWriter(file, header)
 
 
-def file_header(items: list[tuple[int, str, Any]], save_id: str) -> bytes:
-    """Return the safetensors header for ``items`` in :func:`file_order`."""
-    described = []
-    for i, key, value in items:
-        where = f"optimizer state of param {i}, key {key!r}"
-        if isinstance(value, TensorRef):
-            described.append(
-                (value.name, value.dtype, value.shape, nbytes_of(value.dtype, value.shape))
-            )
-        else:
-            dtype = dtype_name(value.dtype, where)
-            described.append(
-                (
-                    tensor_name(i, key),
-                    dtype,
-                    tuple(value.shape),
-                    value.numel() * value.element_size(),
-                )
-            )
-    return safetensors_header(described, {"format": "pt", SAVE_ID_KEY: save_id})
-
-
 def write_file(
     file: Path, entries: Entries, save_id: str, progress: Progress | None = None
 ) -> tuple[int, Entries]:
@@ -250,11 +195,6 @@ def write_file(
 
 
 # ----------------------------------------------------------------------------- staging
-def stage_path(path: Path, save_id: str) -> Path:
-    """Return the temporary sibling directory of save ``save_id`` to ``path``."""
-    return path.parent / f".{path.name}.tmp-{save_id}"
-
-
 def check_target(path: Path) -> None:
     """Raise if ``path`` cannot become (or be replaced by) a checkpoint directory."""
     if not path.name:

@@ -1,13 +1,16 @@
-"""Reading checkpoints: the index, file checks, model checks, lazy checksummed tensor reads.
+"""Reading checkpoints: :func:`load_checkpoint`, :func:`read_state_dict` and their checks.
 
-No collectives and no pickle: the index is JSON, tensors come from ``safe_open`` one by one,
-and only the tensors asked for are read.
+No pickle: the index is JSON, tensors come from ``safe_open`` one by one, and only the
+tensors asked for are read (each rank reads the params it owns now, so any world size loads
+any checkpoint). The only collectives are the two phases of :func:`load_checkpoint`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,18 +18,106 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from oss_plus._ckpt_format import INDEX_FILE, SAVE_ID_KEY, Index, TensorRef
-from oss_plus._ckpt_io import crc32_of
-from oss_plus._ckpt_values import dtype_name, dtype_string, torch_dtype
+from oss_plus import _dist
+from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, TensorRef
+from oss_plus.checkpoint.plan import check_optimizer
+from oss_plus.checkpoint.storage import crc32_of
+from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
 from oss_plus.state import state_shape_error
 
-__all__ = ["check_files", "check_fits", "read_index", "read_states"]
+__all__ = [
+    "check_files",
+    "check_fits",
+    "load_checkpoint",
+    "read_index",
+    "read_state_dict",
+    "read_states",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Message when the data files of a directory come from two different saves.
 OTHER_SAVE = (
     "{file}: this file belongs to save {found!r} but {index} is from save {expected!r}: the "
     "directory mixes files of two saves; restore the matching file or re-save the checkpoint"
 )
+
+
+def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
+    """Load a checkpoint saved by :func:`save_checkpoint` or :func:`write_state_dict`.
+
+    Works for both layouts at any world size: each rank reads (lazily, with ``safe_open``)
+    only the tensors of the params it owns now, and checks their dtype, shape and checksum.
+    Param groups are restored exactly (``betas`` stays a tuple, ints stay ints) and
+    non-tensor state comes from JSON; nothing is unpickled. Everything is validated before
+    the optimizer is touched; an error on any rank is raised on every rank.
+
+    Args:
+        optimizer: the :class:`oss_plus.OSS` optimizer over the same model and param groups.
+        path: the checkpoint directory.
+
+    Raises:
+        TypeError: ``optimizer`` is not an OSS.
+        FileNotFoundError: no checkpoint at ``path``, or one of its files is missing.
+        ValueError: a truncated or corrupted file, an index of another format version, or a
+            checkpoint of a different model (count, shape or dtype mismatch); the message
+            names the file and the mismatch.
+
+    Example:
+        >>> load_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    check_optimizer(optimizer, "load_checkpoint")
+    root = Path(path)
+
+    def read() -> tuple[Index, dict[int, dict[str, Any]]]:
+        index = read_index(root)
+        check_files(root, index)
+        shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
+        dtypes = [p.dtype for p in optimizer.flat_params()]
+        check_fits(index, shapes, dtypes, str(root / INDEX_FILE))
+        _warn_other_optimizer(index, optimizer)
+        return index, read_states(root, index, optimizer.plan.owned(optimizer.rank))
+
+    index, states = _dist.run_phase(read, optimizer.group)
+    _dist.run_phase(
+        lambda: optimizer.import_local_state(states, index.param_groups), optimizer.group
+    )
+
+
+def _warn_other_optimizer(index: Index, optimizer: Any) -> None:
+    saved = (index.optimizer or "").rpartition(".")[2]
+    mine = type(optimizer.optim).__qualname__
+    if saved and saved != mine:
+        logger.warning(
+            "checkpoint %s was saved from a %s optimizer; loading it into a %s",
+            index.save_id,
+            saved,
+            mine,
+        )
+
+
+def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Return the checkpoint at ``path`` as a plain ``torch.optim`` state dict.
+
+    Needs no process group. The result equals the consolidated ``state_dict()`` of the
+    optimizer that saved it (dtypes included) and loads into a plain torch optimizer, an
+    :class:`oss_plus.OSS`, fairscale's OSS or torch's ZeroRedundancyOptimizer. Every tensor
+    is checksummed; nothing is unpickled.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` or a missing file.
+        ValueError: a truncated or corrupted file or an index of another format version.
+
+    Example:
+        >>> torch_optimizer.load_state_dict(read_state_dict("ckpt/step_1000"))  # doctest: +SKIP
+    """
+    root = Path(path)
+    index = read_index(root)
+    check_files(root, index)
+    state = read_states(root, index, range(index.num_params))
+    return {"state": state, "param_groups": index.param_groups}
 
 
 def _reject_constant(name: str) -> Any:

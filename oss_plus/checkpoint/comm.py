@@ -1,10 +1,11 @@
-"""The consolidated save's data path: every rank's tensors to group rank 0, in bounded messages.
+"""The collectives of a save, without pickle: metadata as JSON, tensors streamed to rank 0.
 
-Each sender's state tensors form one stream, in file order. Both ends cut it into the same
-messages (:func:`message_plan`): tensors smaller than :data:`ALONE_BYTES` are packed together
-up to ``CHUNK_BYTES`` (one copy into a packing buffer), larger ones travel alone in chunks of
-at most ``CHUNK_BYTES`` (views of their memory, no copy). So a model with thousands of small
-params sends a few messages, not thousands. Senders checksum their bytes.
+Metadata travels as UTF-8 JSON in uint8 tensors (:func:`gather_json`). In the consolidated
+layout each sender's state tensors form one stream, in file order. Both ends cut it into the
+same messages (:func:`oss_plus._dist.message_plan`): tensors smaller than
+:data:`ALONE_BYTES` are packed together up to ``CHUNK_BYTES`` (one copy into a packing
+buffer), larger ones travel alone in chunks of at most ``CHUNK_BYTES`` (views of their
+memory, no copy). So thousands of small params make a few messages. Senders checksum.
 
 Group rank 0 receives the streams one sender after the other with two receives posted ahead,
 and writes every piece at its offset in the file, while a thread writes rank 0's own tensors.
@@ -13,6 +14,7 @@ No rank holds more than two buffers of ``CHUNK_BYTES`` beyond its own state.
 
 from __future__ import annotations
 
+import json
 import threading
 import zlib
 from collections.abc import Sequence
@@ -21,46 +23,71 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus import _ckpt_io
-from oss_plus._dist import comm_device, global_rank
+from oss_plus._dist import Piece, comm_device, global_rank, message_plan, pad_bytes
+from oss_plus.checkpoint import storage
 
-__all__ = ["ALONE_BYTES", "message_plan", "receive_to_file", "send_tensors"]
+__all__ = [
+    "ALONE_BYTES",
+    "barrier",
+    "broadcast_text",
+    "gather_json",
+    "receive_to_file",
+    "send_tensors",
+]
 
 #: Tensors at least this large travel alone (in chunks); smaller ones are packed together.
 ALONE_BYTES = 1 << 20
-#: A piece of a message: (item index in the stream, first byte within the item, length).
-Piece = tuple[int, int, int]
 
 
-def message_plan(sizes: Sequence[int]) -> list[list[Piece]]:
-    """Cut a stream of items of ``sizes`` bytes into messages (the same on both ends).
+def _messages(sizes: Sequence[int]) -> list[list[Piece]]:
+    """The stream's messages (module constants read at call time, so tests can shrink them)."""
+    return message_plan(
+        sizes,
+        pack_bytes=storage.CHUNK_BYTES,
+        alone_bytes=ALONE_BYTES,
+        chunk_bytes=storage.CHUNK_BYTES,
+    )
 
-    Example:
-        >>> message_plan([4, 8, 0, 4])
-        [[(0, 0, 4), (1, 0, 8), (3, 0, 4)]]
+
+# ----------------------------------------------------------------------------- metadata
+def gather_json(obj: Any, group: Any) -> list[Any] | None:
+    """Gather the JSON-serialisable ``obj`` of every rank on group rank 0 (collective).
+
+    Returns:
+        The objects by rank on group rank 0, None elsewhere.
+
+    .. warning:: Collective: call on every rank of ``group``.
     """
-    step = _ckpt_io.CHUNK_BYTES
-    messages: list[list[Piece]] = []
-    run: list[Piece] = []
-    filled = 0
-    for i, n in enumerate(sizes):
-        alone = n >= min(ALONE_BYTES, step)
-        if alone or filled + n > step:
-            if run:
-                messages.append(run)
-            run, filled = [], 0
-        if alone:
-            messages.extend([(i, start, min(step, n - start))] for start in range(0, n, step))
-        elif n > 0:
-            run.append((i, 0, n))
-            filled += n
-    if run:
-        messages.append(run)
-    return messages
+    mine, sizes = pad_bytes(json.dumps(obj, allow_nan=False).encode(), group)
+    gathered = [torch.empty_like(mine) for _ in sizes] if dist.get_rank(group) == 0 else None
+    dist.gather(mine, gathered, dst=global_rank(group, 0), group=group)
+    if gathered is None:
+        return None
+    return [json.loads(bytes(t[:n].cpu().numpy())) for t, n in zip(gathered, sizes)]
 
 
+def barrier(group: Any) -> None:
+    """Wait until every rank of ``group`` got here (one tiny all_reduce; collective)."""
+    dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=comm_device(group)), group=group)
+
+
+def broadcast_text(text: str | None, length: int, group: Any) -> str:
+    """Broadcast the ASCII ``text`` (exactly ``length`` characters) from group rank 0.
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    device = comm_device(group)
+    buffer = torch.zeros(length, dtype=torch.uint8, device=device)
+    if dist.get_rank(group) == 0:
+        assert text is not None and len(text) == length
+        buffer.copy_(torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8))
+    dist.broadcast(buffer, src=global_rank(group, 0), group=group)
+    return bytes(buffer.cpu().numpy()).decode("ascii")
+
+
+# ----------------------------------------------------------------------------- tensor data
 def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int], Exception | None]:
-    """Send the bytes of ``tensors`` to group rank 0 as :func:`message_plan` cuts them.
+    """Send the bytes of ``tensors`` to group rank 0 as :func:`_messages` cuts them.
 
     A failure while preparing the bytes does not break the protocol: zeros are sent in place
     of the missing bytes and the error is returned, for ``_dist.agree``.
@@ -76,9 +103,9 @@ def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int]
     pack: torch.Tensor | None = None
     error: Exception | None = None
     with torch.profiler.record_function("oss_plus::checkpoint_send"):
-        for message in message_plan([t.numel() * t.element_size() for t in tensors]):
+        for message in _messages([t.numel() * t.element_size() for t in tensors]):
             if pack is None and len(message) > 1:
-                pack = torch.empty(_ckpt_io.CHUNK_BYTES, dtype=torch.uint8)
+                pack = torch.empty(storage.CHUNK_BYTES, dtype=torch.uint8)
             buffer = None
             if error is None:
                 try:
@@ -87,7 +114,7 @@ def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int]
                     error = exc
             if buffer is None:  # keep the protocol: zeros in place of the missing bytes
                 if pack is None:
-                    pack = torch.empty(_ckpt_io.CHUNK_BYTES, dtype=torch.uint8)
+                    pack = torch.empty(storage.CHUNK_BYTES, dtype=torch.uint8)
                 buffer = pack[: sum(n for _, _, n in message)].zero_()
             work = dist.isend(buffer.to(device), dst=dst, group=group)
             if work is not None:
@@ -106,9 +133,9 @@ def _message(
     parts = []
     for i, start, n in message:
         if i not in views:
-            views[i] = _ckpt_io.byte_view(tensors[i])
+            views[i] = storage.byte_view(tensors[i])
         part = views[i][start : start + n]
-        crcs[i] = zlib.crc32(_ckpt_io.as_buffer(part), crcs[i])
+        crcs[i] = zlib.crc32(storage.as_buffer(part), crcs[i])
         parts.append(part)
         if start + n == views[i].numel():
             del views[i]
@@ -129,7 +156,7 @@ def receive_to_file(
 
     Args:
         items: ``(owner rank, local tensor or None, nbytes)`` in file order.
-        writer: the open :class:`oss_plus._ckpt_io.FileWriter`, or None if opening failed
+        writer: the open :class:`oss_plus.checkpoint.storage.FileWriter`, or None if opening failed
             (the bytes are still received, so the senders never block).
         offset: where the first item starts in the file (the header's length).
         group: the process group.
@@ -158,9 +185,7 @@ def receive_to_file(
                 try:
                     at = 0
                     for pos, start, n in pieces:
-                        writer.write_at(
-                            _ckpt_io.as_buffer(buffer[at : at + n]), starts[pos] + start
-                        )
+                        writer.write_at(storage.as_buffer(buffer[at : at + n]), starts[pos] + start)
                         at += n
                 except Exception as exc:  # noqa: BLE001 - keep receiving, report later
                     error = exc
@@ -174,7 +199,7 @@ def _schedule(items: Sequence[tuple[int, Any, int]]) -> list[tuple[int, int, lis
     schedule = []
     for owner in sorted({item[0] for item in items} - {0}):
         positions = [pos for pos, item in enumerate(items) if item[0] == owner]
-        for message in message_plan([items[pos][2] for pos in positions]):
+        for message in _messages([items[pos][2] for pos in positions]):
             pieces = [(positions[i], start, n) for i, start, n in message]
             schedule.append((owner, sum(n for _, _, n in message), pieces))
     return schedule
@@ -195,8 +220,8 @@ class _LocalWriter(threading.Thread):
         try:
             for pos, tensor, start in self._items:
                 crc = 0
-                for chunk in _ckpt_io.byte_chunks(tensor):
-                    data = _ckpt_io.as_buffer(chunk)
+                for chunk in storage.byte_chunks(tensor):
+                    data = storage.as_buffer(chunk)
                     crc = zlib.crc32(data, crc)
                     self._writer.write_at(data, start)
                     start += len(data)
@@ -212,7 +237,7 @@ class _Prefetcher:
         self._schedule, self._group = schedule, group
         device = comm_device(group)
         self._buffers = [
-            torch.empty(_ckpt_io.CHUNK_BYTES, dtype=torch.uint8, device=device)
+            torch.empty(storage.CHUNK_BYTES, dtype=torch.uint8, device=device)
             for _ in range(min(2, len(schedule)))
         ]
         self._posted: dict[int, tuple[Any, torch.Tensor]] = {}

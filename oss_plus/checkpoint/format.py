@@ -13,9 +13,10 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from oss_plus._ckpt_values import decode_value, encode_value, torch_dtype
+from oss_plus.checkpoint.values import decode_value, encode_value, torch_dtype
 
 __all__ = [
     "CONSOLIDATED",
@@ -35,6 +36,7 @@ __all__ = [
     "encode_state",
     "safetensors_header",
     "shard_file",
+    "stage_path",
     "tensor_name",
 ]
 
@@ -61,6 +63,11 @@ BAD_VERSION = (
 def shard_file(rank: int, world_size: int, save_id: str) -> str:
     """Return the name of the shard written by ``rank`` of ``world_size`` in save ``save_id``."""
     return f"shard-{rank:05d}-of-{world_size:05d}.{save_id}.safetensors"
+
+
+def stage_path(path: Path, save_id: str) -> Path:
+    """Return the temporary sibling directory of save ``save_id`` to checkpoint ``path``."""
+    return path.parent / f".{path.name}.tmp-{save_id}"
 
 
 def consolidated_file(save_id: str) -> str:

@@ -16,9 +16,10 @@ from typing import Any, TextIO
 
 import torch
 
-from oss_plus import _ckpt_io, _ckpt_read
-from oss_plus._ckpt_format import Index, PlainValue, TensorRef
-from oss_plus.checkpoint import read_state_dict, write_state_dict
+from oss_plus.checkpoint.format import Index, PlainValue, TensorRef
+from oss_plus.checkpoint.plan import nbytes_of
+from oss_plus.checkpoint.read import check_files, read_index, read_state_dict
+from oss_plus.checkpoint.save import write_state_dict
 
 __all__ = ["ProgressBar", "register"]
 
@@ -67,7 +68,7 @@ def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
         if isinstance(entry, TensorRef):
             shape = "x".join(map(str, entry.shape)) or "scalar"
             parts.append(f"{key}:{entry.dtype}[{shape}]")
-            total += _ckpt_io.nbytes_of(entry.dtype, entry.shape)
+            total += nbytes_of(entry.dtype, entry.shape)
         elif isinstance(entry, PlainValue):
             parts.append(f"{key}={entry.value!r}")
     return " ".join(parts) or "-", total
@@ -109,8 +110,8 @@ def _param_rows(index: Index) -> list[list[str]]:
 
 def _inspect(args: argparse.Namespace) -> int:
     root = Path(args.path)
-    index = _ckpt_read.read_index(root)
-    _ckpt_read.check_files(root, index)
+    index = read_index(root)
+    check_files(root, index)
     _print_summary(root, index, sys.stdout)
     _table(_param_rows(index), sys.stdout)
     if args.verify:
@@ -191,7 +192,7 @@ def _convert(args: argparse.Namespace) -> int:
         ) from None
     state_dict = _pick(data, args.key, source)
     write_state_dict(state_dict, target, progress=ProgressBar(f"converting {source.name}"))
-    index = _ckpt_read.read_index(target)
+    index = read_index(target)
     tensors = sum(isinstance(v, TensorRef) for s in index.state.values() for v in s.values())
     size = sum(f["bytes"] for f in index.files.values())
     print(f"wrote {target}: {index.num_params} params, {tensors} tensors, {_size(size)}")

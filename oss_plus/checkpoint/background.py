@@ -1,0 +1,168 @@
+"""Asynchronous saves: snapshot into reusable staging buffers, write in a background thread.
+
+``save_checkpoint(..., blocking=False)`` plans the save on the caller's thread (one collective
+phase over the optimizer's group, as a blocking save does) with the rank's state copied
+into staging buffers, then runs the rest of the save (writes, the metadata gather, the
+commit, the removal of the replaced files) in a background thread over a **process group
+made for checkpoints** (gloo, the same ranks as the optimizer's group, created once at the
+first asynchronous save). So the writer's collectives never interleave with the training's
+on its group: they cannot reorder or deadlock them, and the commit does not wait for the
+caller to come back. At most one save per optimizer is in flight: the next save (blocking
+or not) waits for it, and raises :data:`PREVIOUS_SAVE_FAILED` if it failed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import datetime
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oss_plus.checkpoint.format import PlainValue
+from oss_plus.checkpoint.plan import Entries
+
+__all__ = ["PREVIOUS_SAVE_FAILED", "Saver", "saver_of", "staging_nbytes"]
+
+logger = logging.getLogger(__name__)
+
+#: Raised by the save after an asynchronous save that failed (on every rank).
+PREVIOUS_SAVE_FAILED = (
+    "the previous asynchronous save_checkpoint to {path} failed ({kind}: {error}); that "
+    "checkpoint was not written and the one before it is whole. This save did not start: "
+    "fix the cause and call save_checkpoint again"
+)
+#: Timeout of the checkpoint process group (a peer that died fails the save after it).
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+_SAVERS: weakref.WeakKeyDictionary[Any, Saver] = weakref.WeakKeyDictionary()
+_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+class Staging:
+    """Reusable CPU copies of one rank's state tensors (pinned when the state is on GPU).
+
+    A buffer is kept per (flat index, key) and reused while its shape and dtype stay the
+    same; buffers of state this rank no longer holds are dropped. So the staging memory is
+    one copy of this rank's shard of state, allocated once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def copy(self, entries: Entries) -> Entries:
+        """Return ``entries`` with every tensor copied into its staging buffer."""
+        buffers: dict[tuple[int, str], torch.Tensor] = {}
+        staged: Entries = {}
+        on_gpu = False
+        for i, entry in entries.items():
+            staged[i] = {}
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    staged[i][key] = PlainValue(copy.deepcopy(value.value))
+                    continue
+                buffer = self._buffers.get((i, key))
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+                on_gpu = on_gpu or value.is_cuda
+                buffers[i, key] = staged[i][key] = buffer
+        if on_gpu:
+            torch.cuda.synchronize()
+        self._buffers = buffers
+        return staged
+
+    def buffers(self) -> dict[tuple[int, str], torch.Tensor]:
+        """The staging buffers by (flat index, state key) (a new dict; the same tensors)."""
+        return dict(self._buffers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class Saver:
+    """Per optimizer: the staging buffers, the checkpoint process group, the save in flight."""
+
+    def __init__(self, group: Any) -> None:
+        self._parent = group
+        self.staging = Staging()
+        self._future: Future[str] | None = None
+        self._failure: tuple[Path, BaseException] | None = None
+
+    @property
+    def group(self) -> Any:
+        """The gloo group over the optimizer group's ranks (created on first use; collective)."""
+        ranks = tuple(dist.get_process_group_ranks(self._parent))
+        if ranks not in _GROUPS:
+            _GROUPS[ranks] = dist.new_group(
+                list(ranks), timeout=GROUP_TIMEOUT, backend="gloo", use_local_synchronization=True
+            )
+        return _GROUPS[ranks]
+
+    def settle(self) -> None:
+        """Wait for the save in flight; raise :data:`PREVIOUS_SAVE_FAILED` if it failed."""
+        if self._future is not None:
+            self._future.exception()  # waits; the error is kept in _failure
+            self._future = None
+        if self._failure is not None:
+            (path, error), self._failure = self._failure, None
+            message = PREVIOUS_SAVE_FAILED.format(path=path, kind=type(error).__name__, error=error)
+            raise RuntimeError(message) from error
+
+    def submit(self, job: Callable[[], None], path: Path) -> Future[str]:
+        """Run ``job`` (the rest of a planned save) in a background thread."""
+        future: Future[str] = Future()
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - delivered by the future
+                self._failure = (path, exc)
+                future.set_exception(exc)
+            else:
+                future.set_result(str(path))
+
+        thread = threading.Thread(target=run, name="oss_plus-async-save", daemon=True)
+        self._future = future
+        _THREADS.add(thread)
+        thread.start()
+        return future
+
+
+def saver_of(optimizer: Any) -> Saver:
+    """Return the :class:`Saver` of ``optimizer`` (made on first use; not collective)."""
+    saver = _SAVERS.get(optimizer)
+    if saver is None:
+        saver = _SAVERS[optimizer] = Saver(optimizer.group)
+    return saver
+
+
+def staging_nbytes(optimizer: Any) -> int:
+    """Return the bytes of staging memory the asynchronous saves of ``optimizer`` hold.
+
+    At most one copy of this rank's shard of optimizer state; 0 before the first
+    asynchronous save.
+    """
+    saver = _SAVERS.get(optimizer)
+    return 0 if saver is None else saver.staging.nbytes
+
+
+@atexit.register
+def _finish_saves_in_flight() -> None:
+    """At interpreter exit, let the saves in flight commit (their peers are still there)."""
+    for thread in list(_THREADS):
+        if thread.is_alive():
+            logger.info("waiting for an asynchronous checkpoint save to finish")
+            thread.join()

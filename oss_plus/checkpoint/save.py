@@ -1,0 +1,335 @@
+"""Saving a checkpoint: plan it (one collective phase), write it, commit it atomically.
+
+:func:`save_checkpoint` is three steps, each a function of this module: :func:`make_plan`
+(every rank validates its state, group rank 0 picks the save id and stages the directory:
+the result is a frozen :class:`~oss_plus.checkpoint.plan.SavePlan`), :func:`execute` (write
+this rank's file or stream to rank 0, complete the index, commit) and nothing else. Every
+failure goes through :func:`oss_plus._dist.run_phase`, so it is raised on every rank and
+the previous checkpoint stays whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from oss_plus import _dist
+from oss_plus.checkpoint import background, comm, storage
+from oss_plus.checkpoint.format import (
+    CONSOLIDATED,
+    Index,
+    PlainValue,
+    TensorRef,
+    decode_state,
+    encode_groups,
+    encode_state,
+)
+from oss_plus.checkpoint.plan import (
+    Entries,
+    SavePlan,
+    check_optimizer,
+    describe,
+    file_header,
+    file_order,
+    layout_of,
+    nbytes_of,
+    split_state,
+)
+from oss_plus.state import NOT_A_STATE_DICT, pack_param_groups, saved_state_by_flat_index
+
+__all__ = ["execute", "make_plan", "save_checkpoint", "write_state_dict"]
+
+logger = logging.getLogger(__name__)
+
+#: Length of a save id (hex digits).
+_SAVE_ID_LENGTH = 16
+#: A hook turning a rank's live entries into what the save writes (the async snapshot).
+Snapshot = Callable[[Entries], Entries]
+
+
+def save_checkpoint(
+    optimizer: Any,
+    path: str | os.PathLike[str],
+    *,
+    sharded: bool = True,
+    blocking: bool = True,
+) -> Future[str] | None:
+    """Save the optimizer state to the directory ``path``, atomically.
+
+    With ``sharded=True`` every rank writes the state of the params it owns to its own
+    safetensors file, in parallel; no tensor travels between ranks. With ``sharded=False``
+    group rank 0 writes one consolidated file while the other ranks stream their tensors to it
+    in chunks of at most 16 MiB, so no rank holds more than that beyond its own shard. Rank 0
+    writes ``index.json`` (param groups, shapes, dtypes, partition, non-tensor state).
+
+    Everything is first written to a temporary sibling directory and fsynced; the checkpoint
+    at ``path`` is replaced only after every rank succeeded. If any rank fails (disk full, an
+    exception, a killed process) the previous checkpoint at ``path`` stays complete, and every
+    rank raises. Stale temporary siblings of interrupted saves are removed by the next save.
+    A sharded save needs ``path`` on a filesystem every rank of the group can reach; a
+    consolidated save only touches the filesystem on group rank 0.
+
+    With ``blocking=False`` the call returns as soon as this rank's state is copied into
+    reusable staging buffers (pinned CPU memory for GPU state, one shard's worth per rank);
+    a background thread writes and commits the checkpoint over a gloo process group made
+    for checkpoints, so the training may step, change params and state or load another
+    state meanwhile: the checkpoint holds the state at the call. The returned future's
+    result is ``path``; a failure on any rank is the future's exception on every rank and
+    is raised again (as RuntimeError) by the next save. A save, blocking or not, first
+    waits for the one in flight. See ``docs/checkpoints.md``.
+
+    Args:
+        optimizer: the :class:`oss_plus.OSS` optimizer.
+        path: the checkpoint directory (created if needed; a previous checkpoint is replaced).
+        sharded: one file per rank (fast, default) or one consolidated file.
+        blocking: return after the commit (default), or right after the snapshot.
+
+    Returns:
+        None, or with ``blocking=False`` a :class:`concurrent.futures.Future` of ``path``.
+
+    Raises:
+        TypeError: ``optimizer`` is not an OSS, or its state holds a value that cannot be
+            stored (raised before anything is written).
+        NotADirectoryError: ``path`` is a file.
+        ValueError: ``path`` holds an ``index.json`` that is not an oss_plus index.
+        OSError: a write failed on some rank (every rank raises; ``path`` is unchanged).
+        RuntimeError: the previous asynchronous save failed (raised once, on every rank).
+
+    Example:
+        >>> save_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
+        >>> load_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    check_optimizer(optimizer, "save_checkpoint")
+    saver = background.saver_of(optimizer)
+    saver.settle()
+    if blocking:
+        execute(make_plan(optimizer, path, sharded), optimizer.group)
+        return None
+    group = saver.group
+    plan = make_plan(optimizer, path, sharded, snapshot=saver.staging.copy)
+    return saver.submit(lambda: execute(plan, group), plan.target)
+
+
+def make_plan(
+    optimizer: Any, path: str | os.PathLike[str], sharded: bool, snapshot: Snapshot | None = None
+) -> SavePlan:
+    """Validate every rank's state, pick the save id, stage the directory (one phase).
+
+    Args:
+        optimizer: the :class:`oss_plus.OSS` optimizer (its public contract only).
+        path: the checkpoint directory.
+        sharded: the layout.
+        snapshot: turns the live entries into those the save writes (default: the live ones).
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    target, group, rank = Path(os.path.abspath(path)), optimizer.group, optimizer.rank
+    made: dict[str, Any] = {"save_id": None}
+
+    def prepare() -> None:
+        entries = split_state(optimizer.export_local_state())
+        index = describe(optimizer, layout_of(sharded), "")
+        if snapshot is not None:  # the index must not see later changes to the groups
+            entries, index = snapshot(entries), copy.deepcopy(index)
+        made["index"], made["entries"] = index, entries
+        if rank == 0:
+            made["save_id"] = storage.new_save_id()
+            storage.prepare_stage(target, made["save_id"])
+
+    def cleanup() -> None:
+        if made["save_id"] is not None:
+            storage.remove_stage(target, made["save_id"])
+
+    _dist.run_phase(prepare, group, cleanup=cleanup)
+    save_id = comm.broadcast_text(made["save_id"], _SAVE_ID_LENGTH, group)
+    index = replace(made["index"], save_id=save_id)
+    return SavePlan(target, save_id, rank, optimizer.world_size, made["entries"], index)
+
+
+def execute(plan: SavePlan, group: Any) -> None:
+    """Write the files of ``plan``, commit on group rank 0, remove the replaced save.
+
+    .. warning:: Collective: call on every rank of ``group`` (the ranks of the plan).
+    """
+    cleanup = _cleanup(plan)
+    write = _write_sharded if plan.sharded else _write_consolidated
+    index = write(plan, group)
+    _dist.run_phase(lambda: _commit(plan, index), group, cleanup=cleanup)
+    if plan.sharded:  # every rank can reach the directory: delete in parallel
+        storage.remove_replaced(plan.target, plan.save_id, plan.rank, plan.world_size)
+    elif plan.coordinator:  # only rank 0 needs to reach it
+        storage.remove_replaced(plan.target, plan.save_id)
+    comm.barrier(group)  # the replaced files are gone on every rank's return
+
+
+def _cleanup(plan: SavePlan) -> Callable[[], None] | None:
+    """What removes the stage directory after a failure (group rank 0 only)."""
+    if not plan.coordinator:
+        return None
+    return lambda: storage.remove_stage(plan.target, plan.save_id)
+
+
+def _commit(plan: SavePlan, index: Index) -> None:
+    """On the coordinator: write ``index.json`` into the stage and commit (else nothing)."""
+    if not plan.coordinator:
+        return
+    storage.write_index(plan.stage, index)
+    storage.commit(plan.stage, plan.target, index)
+    logger.info("saved %s checkpoint %s to %s", index.layout, plan.save_id, plan.target)
+
+
+def _write_sharded(plan: SavePlan, group: Any) -> Index:
+    """Every rank writes its own file; the coordinator gathers the metadata (collective).
+
+    Returns:
+        The complete index on the coordinator, the plan's index elsewhere.
+    """
+
+    def write() -> tuple[int, Entries]:
+        plan.stage.mkdir(parents=True, exist_ok=True)
+        return storage.write_file(plan.stage / plan.file_name, plan.entries, plan.save_id)
+
+    size, written = _dist.run_phase(write, group, cleanup=_cleanup(plan))
+    meta = {"file": plan.file_name, "rank": plan.rank, "bytes": size}
+    gathered = comm.gather_json({**meta, "state": encode_state(written)}, group)
+    if gathered is None:
+        return plan.index
+    files = {m["file"]: {"rank": m["rank"], "bytes": m["bytes"]} for m in gathered}
+    state: dict[int, dict[str, TensorRef | PlainValue]] = {}
+    for m in gathered:
+        state.update(decode_state(m["state"], "gathered metadata", files))
+    return replace(plan.index, files=files, state=dict(sorted(state.items())))
+
+
+def _write_consolidated(plan: SavePlan, group: Any) -> Index:
+    """The coordinator writes one file; the others stream their tensors to it (collective).
+
+    Returns:
+        The complete index on the coordinator, the plan's index elsewhere.
+    """
+    gathered = comm.gather_json(encode_state(plan.refs()), group)
+    if gathered is None:
+        tensors = [t for _, _, t in file_order(plan.entries)]
+        sent_crcs, send_error = comm.send_tensors(tensors, group)
+        comm.gather_json(sent_crcs, group)
+        _dist.agree(send_error, group)
+        return plan.index
+    files = {plan.file_name: {"rank": 0, "bytes": 0}}
+    owner: dict[tuple[int, str], int] = {}
+    state: dict[int, dict[str, TensorRef | PlainValue]] = {}
+    for r, data in enumerate(gathered):
+        decoded = decode_state(data, "gathered metadata", files)
+        owner.update({(i, k): r for i, e in decoded.items() for k in e})
+        state.update(decoded)
+    state = dict(sorted(state.items()))
+    items = file_order(state)
+    size, crcs, error = _stream_to_file(plan, items, owner, group)
+    remote = [iter(crcs_of_rank) for crcs_of_rank in comm.gather_json([], group) or []]
+    _dist.agree(error, group, cleanup=_cleanup(plan))
+    for position, (i, k, ref) in enumerate(items):
+        crc = crcs[position] if owner[i, k] == 0 else next(remote[owner[i, k]])
+        state[i][k] = replace(ref, crc32=crc)
+    return replace(plan.index, files={plan.file_name: {"rank": 0, "bytes": size}}, state=state)
+
+
+def _stream_to_file(
+    plan: SavePlan,
+    items: list[tuple[int, str, Any]],
+    owner: Mapping[tuple[int, str], int],
+    group: Any,
+) -> tuple[int, dict[int, int], Exception | None]:
+    """On the coordinator: open the consolidated file, receive and write every tensor, fsync."""
+    writer: storage.FileWriter | None = None
+    error: Exception | None = None
+    header = file_header(items, plan.save_id)
+    try:
+        writer = storage.open_writer(plan.stage / plan.file_name, header)
+    except Exception as exc:  # noqa: BLE001 - the bytes are still received, then reported
+        error = exc
+    sources = [
+        (
+            owner[i, k],
+            plan.entries[i][k] if owner[i, k] == 0 else None,
+            nbytes_of(ref.dtype, ref.shape),
+        )
+        for i, k, ref in items
+    ]
+    crcs, write_error = comm.receive_to_file(sources, writer, len(header), group)
+    error = error or write_error
+    size = 0
+    if writer is not None:
+        try:
+            if error is None:
+                size = writer.finish()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            error = exc
+        finally:
+            writer.close()
+    return size, crcs, error
+
+
+def write_state_dict(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write a plain ``torch.optim`` state dict as a consolidated oss_plus checkpoint.
+
+    The migration path for existing checkpoints: a dict from ``torch.optim``, from fairscale's
+    ``OSS.state_dict()`` or from torch's ``ZeroRedundancyOptimizer.state_dict()``, e.g. read
+    from a ``.pt`` file with ``torch.load(file, weights_only=True)``. The write is atomic like
+    :func:`save_checkpoint`. Param shapes are not recorded (a plain dict does not have them);
+    loading still checks the state tensors against the params.
+
+    Args:
+        state_dict: ``{"state": {id: {key: value}}, "param_groups": [...]}``; not modified.
+        path: the checkpoint directory.
+        progress: called with ``(bytes written, bytes total)`` as the tensors are written.
+
+    Raises:
+        ValueError: ``state_dict`` is not in the torch.optim format.
+        TypeError: a value cannot be stored (checked before anything is written).
+
+    Example:
+        >>> sd = torch.load("optim.pt", map_location="cpu", weights_only=True)  # doctest: +SKIP
+        >>> write_state_dict(sd, "ckpt/migrated")  # doctest: +SKIP
+    """
+    from oss_plus import __version__
+
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        keys = (
+            sorted(map(str, state_dict))
+            if isinstance(state_dict, Mapping)
+            else type(state_dict).__name__
+        )
+        raise ValueError(NOT_A_STATE_DICT.format(keys=keys))
+    try:
+        by_flat = saved_state_by_flat_index(state_dict)
+        groups = pack_param_groups(state_dict["param_groups"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(
+            f"the state dict is not in the torch.optim format ({type(exc).__name__}: {exc}): "
+            "every param group needs a 'params' list and every state id must be listed in one"
+        ) from None
+    entries, save_id = split_state(by_flat), storage.new_save_id()
+    index = Index(CONSOLIDATED, save_id, groups, {}, {}, created_by=f"oss_plus {__version__}")
+    encode_groups(groups, "param_groups")
+    plan = SavePlan(Path(os.path.abspath(path)), save_id, 0, 1, entries, index)
+    storage.prepare_stage(plan.target, save_id)
+    try:
+        size, written = storage.write_file(plan.stage / plan.file_name, entries, save_id, progress)
+        files = {plan.file_name: {"rank": 0, "bytes": size}}
+        _commit(plan, replace(index, files=files, state=written))
+    except BaseException:
+        storage.remove_stage(plan.target, save_id)
+        raise
+    storage.remove_replaced(plan.target, save_id)
