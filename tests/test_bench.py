@@ -121,7 +121,11 @@ def test_quick_and_flags_build_the_config():
         (["--impls", "oss_plus,deepspeed"], "unknown implementation(s) ['deepspeed']"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--backend", "mpi"], "--backend must be auto, gloo or nccl"),
-        (["--ddp", "--checkpoint"], "--ddp and --checkpoint are two benchmarks: pick one"),
+        (["--ddp", "--checkpoint"], "--ddp and --checkpoint are different benchmarks: pick one"),
+        (
+            ["--checkpoint", "--async-checkpoint"],
+            "--checkpoint and --async-checkpoint are different benchmarks: pick one",
+        ),
         (["--checkpoint", "--impls", "orbax"], "unknown --impls ['orbax'] for --checkpoint"),
         (["--ddp", "--impls", "deepspeed"], "unknown --impls ['deepspeed']: choose from"),
     ],
@@ -130,3 +134,15 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
     assert main(["bench", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("oss-plus bench: error:") and message in err and "\n" not in err
+
+
+def test_async_checkpoint_bench_measures_against_dcp(capsys):
+    """The async rows run from the CLI and every figure is a real, positive measurement."""
+    argv = ["bench", "--async-checkpoint", "--size", "0.2", "--world-size", "2", "--rounds", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for row in ("blocking save", "stall of an async save", "load on 1 rank"):
+        line = next(x for x in out.splitlines() if x.startswith(f"| {row}"))
+        ours, dcp = (float(cell.strip().rstrip(" s")) for cell in line.split("|")[2:4])
+        assert ours > 0 and dcp > 0
+    assert "step while a save is in flight" in out

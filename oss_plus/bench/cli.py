@@ -70,9 +70,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(**values)
 
 
+#: The benchmarks other than the step bench: flag -> (module, its own argv from ours).
+_OTHERS = ("ddp", "checkpoint", "async_checkpoint")
+
+
+def _async_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--params-m", str(args.size or 20.0), "--world", str(args.world_size or 2)]
+    return argv + (["--reps", str(args.rounds)] if args.rounds else [])
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.ddp and args.checkpoint:
-        raise ValueError("--ddp and --checkpoint are two benchmarks: pick one")
+    chosen = [name for name in _OTHERS if getattr(args, name)]
+    if len(chosen) > 1:
+        flags = " and ".join("--" + name.replace("_", "-") for name in chosen)
+        raise ValueError(f"{flags} are different benchmarks: pick one")
+    if args.async_checkpoint:
+        from oss_plus.bench import async_ckpt
+
+        return async_ckpt.main(_async_argv(args))
     if args.ddp:
         from oss_plus.bench import ddp_bench
 
@@ -148,5 +163,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="time checkpoint save and load against fairscale, torch ZeRO and the disk floor "
         "instead (--size, --world-size, --rounds; --steps: saves per round; --impls from "
         "oss_plus.bench.checkpoint_bench.IMPLEMENTATIONS)",
+    )
+    add(
+        "--async-checkpoint",
+        action="store_true",
+        help="time blocking and asynchronous saves against torch.distributed.checkpoint "
+        "instead (--size, --world-size; --rounds: timed runs; oss_plus.bench.async_ckpt)",
     )
     bench.set_defaults(func=_run)
