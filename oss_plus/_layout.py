@@ -3,7 +3,8 @@ where each one starts, and how a buffer's views replace the params' storage.
 
 For every (device, dtype, owner rank) one flat buffer holds that owner's *trainable* params in
 ascending element count (stable), each starting at an allocator-aligned offset; each param's
-``.data`` becomes a view into it, so the owner's update lands in the buffer with no copy.
+``.data`` becomes a view into it (with a storage object of its own, :func:`own_storage`), so
+the owner's update lands in the buffer with no copy.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "Gather", "Transport", "alignment", "bucket_numel", "lay_out", "plan"]
+__all__ = [
+    "Bucket",
+    "Gather",
+    "Transport",
+    "alignment",
+    "bucket_numel",
+    "lay_out",
+    "own_storage",
+    "plan",
+]
 
 Key = tuple[str, torch.dtype]
 Plan = list[tuple[int, Key, list[torch.Tensor]]]
@@ -100,6 +110,22 @@ def plan(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> Plan:
     return buckets
 
 
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """Return a tensor over the memory of ``view`` whose storage object is its own.
+
+    safetensors, Accelerate and transformers group tensors by storage to find tied weights:
+    params that are views of one bucket would be refused (``save_model``) or dropped
+    (``save_state``). A DLPack round trip wraps the same memory in a new storage that starts
+    at the view's first element and keeps the bucket alive, so every param looks like a
+    standalone tensor while the bucket's collectives still update it in place. Done once per
+    layout, never per step. Falls back to the plain view where DLPack cannot export the dtype.
+    """
+    try:
+        return torch.from_dlpack(view.detach())
+    except (BufferError, RuntimeError, TypeError):
+        return view
+
+
 @torch.no_grad()
 def lay_out(
     owner: int,
@@ -127,6 +153,6 @@ def lay_out(
         view = buffer[offset : offset + p.numel()].view_as(p)
         if copy:
             view.copy_(p.data)
-        p.data = view
+        p.data = own_storage(view)
         offset += padded(p.numel(), align)
     return Bucket(owner, buffer, list(params))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist, _params, clip
+from oss_plus import _arrival, _dist, _params, clip
 from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 from oss_plus.state import (
@@ -78,6 +78,10 @@ class OSS(Optimizer):
             ``"torch"`` (largest first, frozen params weigh their size).
         broadcast_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``;
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
+        collective_state_dict: keyword-only; a plain attribute. When True, :meth:`state_dict`
+            called without a prior consolidation on this rank is collective: it consolidates
+            on every rank first, for frameworks that call ``state_dict()`` on every rank
+            (Accelerate, Ignite). See :meth:`state_dict` and ``docs/integrations.md``.
         **defaults: hyperparameters for ``optim`` (``lr=...``).
 
     Raises:
@@ -106,9 +110,11 @@ class OSS(Optimizer):
         *,
         partition_rule: Rule | str = Rule.FAIRSCALE,
         broadcast_dtype: torch.dtype | None = None,
+        collective_state_dict: bool = False,
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
+        self.collective_state_dict = collective_state_dict
         self._initialized = False
         error: Exception | None = None
         try:
@@ -481,14 +487,31 @@ class OSS(Optimizer):
         Keys of ``state`` are flat indices over the global param groups, so the dict loads
         into a plain torch optimizer or into OSS at any world size.
 
+        With ``collective_state_dict=True`` and nothing consolidated on this rank since the
+        last step, the call is collective (as with ``all_ranks=True``): every rank of the
+        group must call it. It first checks, out of band, that every rank came, and raises
+        RuntimeError on the ranks that did if some did not within
+        ``oss_plus._arrival.ARRIVAL_TIMEOUT`` (never a hang). A rank holding a consolidated
+        state (``consolidate_state_dict()`` on every rank first) returns it without
+        communicating, so a framework may then call ``state_dict()`` on one rank only.
+
         Args:
             all_ranks: consolidate on every rank first (collective).
 
         Raises:
-            RuntimeError: nothing was consolidated on this rank.
+            RuntimeError: nothing was consolidated on this rank, or (collective mode) some
+                rank did not call.
+
+        .. warning:: Collective: call on every rank of ``group`` when ``all_ranks`` is True,
+            or ``collective_state_dict`` is True and nothing was consolidated here.
         """
+        # --- opt-in collective state_dict (issue 15, frameworks; see oss_plus/_arrival.py)
+        if self.collective_state_dict and self._consolidated is None and not all_ranks:
+            _arrival.check_arrival(self.group, "state_dict()")
+            all_ranks = True
+        # --- end of the opt-in block
         if all_ranks:
-            self.consolidate_state_dict(recipient_rank=-1)
+            self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
         if self._consolidated is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated[i]) for i in sorted(self._consolidated)}
