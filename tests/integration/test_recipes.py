@@ -25,3 +25,8 @@ def test_ignite_checkpoint_handler(run_recipe, kind, monkeypatch):
 def test_accelerate_save_state_and_load_state(run_recipe):
     pytest.importorskip("accelerate", reason="pip install accelerate (the integration extra)")
     run_recipe("accelerate_recipe")
+
+
+def test_hf_trainer_with_a_consolidating_callback(run_recipe):
+    pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
+    run_recipe("hf_trainer")
