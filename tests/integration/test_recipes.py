@@ -30,3 +30,12 @@ def test_accelerate_save_state_and_load_state(run_recipe):
 def test_hf_trainer_with_a_consolidating_callback(run_recipe):
     pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
     run_recipe("hf_trainer")
+
+
+def test_lightning_1_9_ddp_sharded_through_install(run_recipe):
+    pl = pytest.importorskip("pytorch_lightning", reason="pip install pytorch-lightning==1.9.5")
+    if not pl.__version__.startswith("1.9"):
+        pytest.skip(
+            f"needs pytorch-lightning 1.9, found {pl.__version__}: tox -e integration-lightning19"
+        )
+    run_recipe("lightning_1_9")

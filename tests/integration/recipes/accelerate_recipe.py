@@ -37,6 +37,8 @@ def train(accelerator: Accelerator, model, optimizer, loader, epochs: int) -> No
             optimizer.zero_grad()
             accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
             optimizer.step()
+
+
 # [/recipe]
 
 
@@ -47,7 +49,9 @@ def main() -> None:
     if phase == "train":
         model, optimizer, loader = build(accelerator, sharded=False)
         train(accelerator, model, optimizer, loader, EPOCHS)
-        dump(f"{out}/reference.safetensors", accelerator.unwrap_model(model), optimizer.state_dict())
+        dump(
+            f"{out}/reference.safetensors", accelerator.unwrap_model(model), optimizer.state_dict()
+        )
         accelerator = Accelerator(cpu=True)  # its own list of objects to save
         model, optimizer, loader = build(accelerator)
         train(accelerator, model, optimizer, loader, 1)

@@ -5,7 +5,8 @@ on every process (``collective_state_dict=True`` handles it), and saves the opti
 calling ``state_dict()`` on the saving rank only: a callback consolidates on every rank just
 before each save, so that call returns the consolidated state without communicating.
 The model (a tiny ``PreTrainedModel`` built from a config, nothing downloaded) is saved with
-``save_pretrained`` (safetensors). Run: ``torchrun --nproc_per_node 2 hf_trainer.py train|resume OUT``.
+``save_pretrained`` (safetensors).
+Run: ``torchrun --nproc_per_node 2 hf_trainer.py train|resume OUT``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def trainer_for(model: TinyModel, optimizer: torch.optim.Optimizer, out: str) ->
 
 def sharded(model: TinyModel) -> OSS:
     return OSS(model.parameters(), optim=torch.optim.Adam, lr=LR, collective_state_dict=True)
+
+
 # [/recipe]
 
 

@@ -5,7 +5,8 @@
 * ``oss_plus.OSS`` (or the fairscale adapter) takes ``collective_state_dict=True``: Ignite
   calls ``state_dict()`` on every rank, which then consolidates by itself.
 
-``RECIPE_OPTIMIZER=torch|oss``. Run: ``torchrun --nproc_per_node 2 ignite_recipe.py train|resume OUT``.
+``RECIPE_OPTIMIZER=torch|oss``.
+Run: ``torchrun --nproc_per_node 2 ignite_recipe.py train|resume OUT``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def resume(kind: str, ckpt_dir: str):
     Checkpoint.load_objects(to_load, torch.load(path, map_location="cpu", weights_only=True))
     trainer.run(loader, max_epochs=EPOCHS)
     return model, optimizer
+
+
 # [/recipe]
 
 

@@ -48,6 +48,8 @@ def fit(module: Regression, epochs: int, out: str, ckpt_path: str | None = None)
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
     return trainer
+
+
 # [/recipe]
 
 
