@@ -63,3 +63,21 @@ def dump(path: str, model: torch.nn.Module, optimizer_state: dict[str, Any] | No
         for key, value in state.items():
             tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).detach().clone()
     save_file(tensors, path)
+
+
+#: What both Lightning recipes give their ``Trainer`` besides strategy, epochs and callbacks.
+LIGHTNING_TRAINER = {
+    "accelerator": "cpu",
+    "devices": 2,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def full_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The full optimizer state on rank 0 (a sharded one is consolidated on every rank)."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict()
+        return optimizer.state_dict() if rank() == 0 else None
+    return optimizer.state_dict()

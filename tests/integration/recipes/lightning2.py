@@ -11,7 +11,7 @@ import os
 
 import lightning as L
 import torch
-from common import EPOCHS, LR, args, dataset, dump, tiny_model
+from common import EPOCHS, LIGHTNING_TRAINER, LR, args, dataset, dump, full_state, tiny_model
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -37,27 +37,16 @@ class Regression(L.LightningModule):
 
 def fit(module: Regression, epochs: int, out: str, ckpt_path: str | None = None) -> L.Trainer:
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
         strategy="ddp",
         max_epochs=epochs,
         callbacks=[ModelCheckpoint(dirpath=out, filename="ckpt")],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **LIGHTNING_TRAINER,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
     return trainer
 
 
 # [/recipe]
-
-
-def full_state(optimizer: torch.optim.Optimizer) -> dict | None:
-    if isinstance(optimizer, OSS):
-        optimizer.consolidate_state_dict()  # on every rank
-        return optimizer.state_dict() if optimizer.rank == 0 else None
-    return optimizer.state_dict()
 
 
 def main() -> None:

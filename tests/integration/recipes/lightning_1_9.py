@@ -17,7 +17,7 @@ oss_plus.compat.fairscale.install()  # before pytorch_lightning imports fairscal
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
-from common import EPOCHS, LR, args, dataset, dump, tiny_model  # noqa: E402
+from common import EPOCHS, LIGHTNING_TRAINER, LR, args, dataset, dump, full_state, tiny_model  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -37,27 +37,16 @@ class Regression(pl.LightningModule):
 
 def fit(module: Regression, epochs: int, out: str, strategy: str, ckpt_path: str | None = None):
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
         strategy=strategy,
         max_epochs=epochs,
         callbacks=[ModelCheckpoint(dirpath=out, filename="ckpt")],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **LIGHTNING_TRAINER,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
     return trainer
 
 
 # [/recipe]
-
-
-def full_state(optimizer: torch.optim.Optimizer) -> dict | None:
-    if hasattr(optimizer, "consolidate_state_dict"):
-        optimizer.consolidate_state_dict()
-        return optimizer.state_dict() if optimizer.rank == 0 else None
-    return optimizer.state_dict()
 
 
 def main() -> None:
