@@ -39,6 +39,7 @@ __all__ = [
     "ordered_buckets",
     "owner_buckets",
     "per_param",
+    "own_storage",
 ]
 
 Key = tuple[str, torch.dtype]
@@ -143,6 +144,22 @@ def bucket_numel(params: Sequence[torch.Tensor], aligned: bool) -> int:
     return sum(padded(p.numel(), align) for p in params)
 
 
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """Return a tensor over the memory of ``view`` whose storage object is its own.
+
+    safetensors, Accelerate and transformers group tensors by storage to find tied weights:
+    params that are views of one bucket would be refused (``save_model``) or dropped
+    (``save_state``). A DLPack round trip wraps the same memory in a new storage that starts
+    at the view's first element and keeps the bucket alive, so every param looks like a
+    standalone tensor while the bucket's collectives still update it in place. Done once per
+    layout, never per step. Falls back to the plain view where DLPack cannot export the dtype.
+    """
+    try:
+        return torch.from_dlpack(view.detach())
+    except (BufferError, RuntimeError, TypeError):
+        return view
+
+
 @torch.no_grad()
 def lay_out(
     owner: int,
@@ -170,7 +187,7 @@ def lay_out(
     for p in params:
         view = buffer[offset : offset + p.numel()].view_as(p)
         view.copy_(p.data)
-        p.data = view
+        p.data = own_storage(view)
         offset += padded(p.numel(), align)
     return Bucket(owner, buffer[:numel], list(params), flat)
 

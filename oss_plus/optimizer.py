@@ -6,12 +6,9 @@ broadcasts its parameters (:mod:`oss_plus.sync`). Who owns what is a frozen
 :class:`~oss_plus.plan.ShardPlan` (pure code: :mod:`oss_plus.plan`); moving state between
 ranks is :mod:`oss_plus.consolidate`.
 
-Collaborators (checkpoints, overlap with DDP, gradient sharding, the adapters) use the
-*extension contract* below and nothing else: :attr:`OSS.plan`, :attr:`OSS.policy`,
-:meth:`OSS.flat_params`, :meth:`OSS.export_local_state`, :meth:`OSS.import_local_state`,
-:meth:`OSS.repartition`, :attr:`OSS.sync`, :meth:`OSS.install_sync`,
-:attr:`OSS.consolidated_state` and :meth:`OSS.drop_consolidated`. No other module touches
-an underscore member of :class:`OSS` (a test checks it).
+Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only the
+*extension contract* (API reference); no other module touches an underscore member of
+:class:`OSS` (``tests/test_plan.py`` checks it).
 """
 
 from __future__ import annotations
@@ -67,6 +64,9 @@ class OSS(ShardedStateDict, Optimizer):
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
         shard_policy: keyword-only :class:`~oss_plus.plan.ShardPolicy` (partition rule,
             local order, bucket layout, transport); how the adapters customise the core.
+        collective_state_dict: keyword-only, a plain attribute: :meth:`state_dict` without a
+            prior consolidation here is collective (frameworks calling it on every rank;
+            ``docs/integrations.md``).
         **defaults: hyperparameters for ``optim`` (``lr=...``).
 
     Raises:
@@ -96,9 +96,11 @@ class OSS(ShardedStateDict, Optimizer):
         partition_rule: Rule | str | None = None,
         broadcast_dtype: torch.dtype | None = None,
         shard_policy: ShardPolicy | None = None,
+        collective_state_dict: bool = False,
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
+        self.collective_state_dict = collective_state_dict
         self._initialized = False
         error: Exception | None = None
         try:
@@ -151,9 +153,7 @@ class OSS(ShardedStateDict, Optimizer):
         return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
 
     def import_local_state(
-        self,
-        states: Mapping[int, ParamState],
-        param_groups: list[dict[str, Any]] | None = None,
+        self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
     ) -> None:
         """Load the states of the params this rank owns (flat index -> state).
 

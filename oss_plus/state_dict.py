@@ -12,6 +12,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from oss_plus import _arrival
 from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
 from oss_plus.state import (
     ParamState,
@@ -86,14 +87,30 @@ class ShardedStateDict:
         Keys of ``state`` are flat indices over the global param groups, so the dict loads
         into a plain torch optimizer or into OSS at any world size.
 
+        With ``collective_state_dict=True`` and nothing consolidated on this rank since the
+        last step, the call is collective (as with ``all_ranks=True``): every rank of the
+        group must call it. It first checks, out of band, that every rank came, and raises
+        RuntimeError on the ranks that did if some did not within
+        ``oss_plus._arrival.ARRIVAL_TIMEOUT`` (never a hang). A rank holding a consolidated
+        state (``consolidate_state_dict()`` on every rank first) returns it without
+        communicating, so a framework may then call ``state_dict()`` on one rank only.
+
         Args:
             all_ranks: consolidate on every rank first (collective).
 
         Raises:
-            RuntimeError: nothing was consolidated on this rank.
+            RuntimeError: nothing was consolidated on this rank, or (collective mode) some
+                rank did not call.
+
+        .. warning:: Collective: call on every rank of ``group`` when ``all_ranks`` is True,
+            or ``collective_state_dict`` is True and nothing was consolidated here.
         """
+        collective = getattr(self, "collective_state_dict", False)
+        if collective and self._consolidated_copy is None and not all_ranks:
+            _arrival.check_arrival(self.group, "state_dict()")
+            all_ranks = True
         if all_ranks:
-            self.consolidate_state_dict(recipient_rank=-1)
+            self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
         if self._consolidated_copy is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}

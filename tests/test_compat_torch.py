@@ -32,7 +32,7 @@ def test_is_built_on_the_core_and_joinable_not_on_torchs_class():
 
     assert issubclass(ZeroRedundancyOptimizer, OSS)
     assert issubclass(ZeroRedundancyOptimizer, Joinable)
-    assert not issubclass(ZeroRedundancyOptimizer, TorchZero)
+    assert TorchZero not in ZeroRedundancyOptimizer.__mro__  # only a virtual subclass
 
 
 # ------------------------------------------------------------------ construction

@@ -154,8 +154,9 @@ def bucket_task(ctx):
     buffers = [b.buffer.data_ptr() for b in opt.sync_buckets.buckets]
     train(model, opt, 3)
     same_buffers = buffers == [b.buffer.data_ptr() for b in opt.sync_buckets.buckets]
-    views = all(
-        p.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+    views = all(  # each param's memory lies in its bucket (its storage object is its own)
+        b.buffer.data_ptr() <= p.data_ptr()
+        and p.data_ptr() + p.nbytes <= b.buffer.data_ptr() + b.buffer.nbytes
         for b in opt.sync_buckets.buckets
         for p in b.params
     )

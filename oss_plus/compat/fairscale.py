@@ -64,6 +64,9 @@ class OSS(CompatOSS):
         broadcast_fp16: send params as fp16 on the wire. A plain attribute read at every
             step. Unlike fairscale, the owner keeps its exact values (fairscale #1).
         force_broadcast_object: ignored (state never travels as a pickled object).
+        collective_state_dict: keyword-only (not in fairscale): ``state_dict()`` without a
+            prior consolidation is collective and consolidates on every rank (Accelerate,
+            Ignite); see :meth:`oss_plus.OSS.state_dict`.
         **default: hyperparameters for ``optim`` (``lr=...``).
 
     Raises:
@@ -89,6 +92,8 @@ class OSS(CompatOSS):
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
+        *,
+        collective_state_dict: bool = False,
         **default: Any,
     ) -> None:
         super().__init__(
@@ -99,6 +104,7 @@ class OSS(CompatOSS):
             broadcast_fp16,
             force_broadcast_object,
             shard_policy=FAIRSCALE_POLICY,
+            collective_state_dict=collective_state_dict,
             **default,
         )
         self.backend = dist.get_backend(self.group)

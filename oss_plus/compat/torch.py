@@ -189,6 +189,8 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
             ``parameters_as_bucket_view`` is ignored (the params are laid out by DDP
             bucket); any ``torch.optim`` class (or torch's functional equivalent) works.
             See ``docs/overlap.md``.
+        collective_state_dict: keyword-only (not in torch): :meth:`state_dict` without a
+            prior consolidation is collective and consolidates on every rank (Accelerate).
         **defaults: hyperparameters for ``optimizer_class``.
 
     Raises:
@@ -215,6 +217,8 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         process_group: Any | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
+        *,
+        collective_state_dict: bool = False,
         **defaults: Any,
     ) -> None:
         self._overlap_with_ddp = overlap_with_ddp
@@ -237,7 +241,14 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         if parameters_as_bucket_view and not overlap_with_ddp:
             layout = Layout.ORDERED_BUCKETS
         policy = ShardPolicy(rule=Rule.TORCH, layout=layout, aligned=False)
-        super().__init__(params, optimizer_class, process_group, shard_policy=policy, **defaults)
+        super().__init__(
+            params,
+            optimizer_class,
+            process_group,
+            shard_policy=policy,
+            collective_state_dict=collective_state_dict,
+            **defaults,
+        )
         Joinable.__init__(self)
         self._zero_ready = True
 
@@ -363,10 +374,35 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Return the consolidated state in the plain ``torch.optim`` format (tensors on CPU).
 
+        With ``collective_state_dict=True`` it consolidates on every rank instead of raising
+        (collective then; see :meth:`oss_plus.OSS.state_dict`).
+
         Raises:
             RuntimeError: :meth:`consolidate_state_dict` was not called for this rank since
-                the last step.
+                the last step (and ``collective_state_dict`` is False), or some rank did not
+                call a collective ``state_dict()``.
         """
-        if self.consolidated_state is None:
+        if self.consolidated_state is None and not self.collective_state_dict:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         return super().state_dict()
+
+
+# --- isinstance(opt, torch.distributed.optim.ZeroRedundancyOptimizer) (issue 15) -----------
+# torch's class inherits ABCMeta from Joinable(ABC), so registering a virtual subclass is the
+# standard mechanism: isinstance/issubclass against torch's class answer True (Ignite's
+# Checkpoint, Lightning's checks), while the MRO, super() and every method stay oss_plus's.
+# Code that then reads torch's private attributes gets oss_plus's versions where this module
+# provides them (_all_params, _param_to_rank, _all_state_dicts, ...) and AttributeError for
+# the rest (e.g. _overlap_info, read by torch's own ddp_zero_hook: use this module's hooks).
+def _register_as_torch_zero() -> bool:
+    """Register the adapter as a virtual subclass of torch's class; False if not possible."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+
+    register = getattr(TorchZeRO, "register", None)  # present when the metaclass is ABCMeta
+    if register is None:
+        return False
+    register(ZeroRedundancyOptimizer)
+    return True
+
+
+_register_as_torch_zero()

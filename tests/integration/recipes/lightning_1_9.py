@@ -1,0 +1,68 @@
+"""Lightning 1.9: ``strategy="ddp_sharded"`` (fairscale's OSS and ShardedDataParallel) with
+``oss_plus.compat.install()``, which makes ``fairscale.optim.OSS`` the oss_plus adapter.
+
+Call ``install()`` before ``pytorch_lightning`` is imported. Adam, not AdamW: Lightning 1.9
+rebuilds the optimizer from ``opt.defaults``, which AdamW's constructor rejects on torch 2.13
+(for real fairscale too). Run: ``torchrun --nproc_per_node 2 lightning_1_9.py train|resume OUT``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# [recipe]
+import oss_plus.compat.fairscale
+
+oss_plus.compat.fairscale.install()  # before pytorch_lightning imports fairscale.optim.OSS
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from common import EPOCHS, LIGHTNING_TRAINER, LR, args, dataset, dump, full_state, tiny_model  # noqa: E402
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=LR)  # ddp_sharded wraps it in OSS
+
+
+def fit(module: Regression, epochs: int, out: str, strategy: str, ckpt_path: str | None = None):
+    trainer = pl.Trainer(
+        strategy=strategy,
+        max_epochs=epochs,
+        callbacks=[ModelCheckpoint(dirpath=out, filename="ckpt")],
+        **LIGHTNING_TRAINER,
+    )
+    trainer.fit(module, DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+# [/recipe]
+
+
+def main() -> None:
+    phase, out = args()
+    ckpt_dir = os.path.join(out, "ckpt")
+    if phase == "train":
+        reference = Regression()
+        trainer = fit(reference, EPOCHS, os.path.join(out, "unused"), "ddp")
+        dump(f"{out}/reference.safetensors", reference.model, full_state(trainer.optimizers[0]))
+        fit(Regression(), 1, ckpt_dir, "ddp_sharded")
+    else:
+        module = Regression()
+        path = os.path.join(ckpt_dir, "ckpt.ckpt")
+        trainer = fit(module, EPOCHS, ckpt_dir, "ddp_sharded", ckpt_path=path)
+        dump(f"{out}/resumed.safetensors", module.model, full_state(trainer.optimizers[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Each framework trains a model sharded by oss_plus on 2 gloo ranks, saves through its own
+checkpointing, resumes in fresh processes and ends equal to an unsharded run (issue 15).
+
+The recipes are ``recipes/*.py`` (``docs/integrations.md`` shows them). A framework that is
+not installed skips its test: ``pip install -e ".[integration]"`` installs them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_lightning_2_ddp_with_model_checkpoint_and_ckpt_path(run_recipe):
+    pytest.importorskip("lightning", reason="pip install lightning (the integration extra)")
+    run_recipe("lightning2")
+
+
+@pytest.mark.parametrize("kind", ["torch", "oss"])
+def test_ignite_checkpoint_handler(run_recipe, kind, monkeypatch):
+    pytest.importorskip("ignite", reason="pip install pytorch-ignite (the integration extra)")
+    monkeypatch.setenv("RECIPE_OPTIMIZER", kind)
+    run_recipe("ignite_recipe")
+
+
+def test_accelerate_save_state_and_load_state(run_recipe):
+    pytest.importorskip("accelerate", reason="pip install accelerate (the integration extra)")
+    run_recipe("accelerate_recipe")
+
+
+def test_hf_trainer_with_a_consolidating_callback(run_recipe):
+    pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
+    run_recipe("hf_trainer")
+
+
+def test_lightning_1_9_ddp_sharded_through_install(run_recipe):
+    pl = pytest.importorskip("pytorch_lightning", reason="pip install pytorch-lightning==1.9.5")
+    if not pl.__version__.startswith("1.9"):
+        pytest.skip(
+            f"needs pytorch-lightning 1.9, found {pl.__version__}: tox -e integration-lightning19"
+        )
+    run_recipe("lightning_1_9")
