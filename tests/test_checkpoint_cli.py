@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from dist_utils import make_model, params_equal, train
+from helpers import make_model, params_equal, train
 from test_checkpoint import build, diff, save_task
 
 from oss_plus import OSS, load_checkpoint

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import flat_params, state_equal
+from helpers import flat_params, state_equal
 from test_examples import python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
