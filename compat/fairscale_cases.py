@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("fairscale")
 
-from diff_utils import OPTIMIZERS  # noqa: E402
 from fairscale.optim.oss import OSS as FairscaleOSS  # noqa: E402
+from helpers import SGD_AND_ADAM  # noqa: E402
 
 from oss_plus.compat.fairscale import OSS  # noqa: E402
 
@@ -15,5 +15,5 @@ CLASSES = {"fairscale": FairscaleOSS, "ours": OSS}
 
 
 def build(kind, params, ctx, optim_name="sgd", **extra):
-    optim, kwargs = OPTIMIZERS[optim_name]
+    optim, kwargs = SGD_AND_ADAM[optim_name]
     return CLASSES[kind](params, optim=optim, group=ctx.group, **{**kwargs, **extra})

@@ -16,25 +16,27 @@ import torch
 
 pytest.importorskip("fairscale")
 
-from diff_utils import (  # noqa: E402 - after importorskip
-    OPTIMIZERS,
+from fairscale.optim.oss import OSS as FairscaleOSS  # noqa: E402
+from fairscale_cases import CLASSES, build  # noqa: E402
+from helpers import (  # noqa: E402 - after importorskip
+    SGD_AND_ADAM,
     WORLD_IDS,
     WORLDS,
     KwargSGD,
     clones,
-    flat,
-    flat_model,
+    diff_loss,
+    extra_layer_loss,
+    flat_double,
+    flat_params,
     groups_of,
     index_of,
     load_flat,
-    loss_of,
-    make_model,
+    make_diff_model,
     partition_indices,
     same_value,
-    train,
+    train_diff,
+    with_extra_layer,
 )
-from fairscale.optim.oss import OSS as FairscaleOSS  # noqa: E402
-from fairscale_cases import CLASSES, build  # noqa: E402
 
 from oss_plus.compat import fairscale as compat_fairscale  # noqa: E402
 from oss_plus.compat.fairscale import OSS  # noqa: E402
@@ -87,7 +89,7 @@ def test_constructor_signature_is_fairscales():
 
 # ------------------------------------------------------------------ parity
 def parity_task(ctx, optim_name):
-    model = make_model()
+    model = make_diff_model()
     model[0].bias.requires_grad_(False)  # frozen from the start: weighs 1 in the partition
     out = {}
     for kind, m in zip(CLASSES, clones(model, 2)):
@@ -95,8 +97,8 @@ def parity_task(ctx, optim_name):
         opt = build(kind, groups_of(m), ctx, optim_name)
         result = _describe(opt, params)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        result["losses"] = train(m, opt, 5, scheduler=sched, use_closure=True)
-        result["params"] = flat_model(m)
+        result["losses"] = train_diff(m, opt, 5, scheduler=sched, use_closure=True)
+        result["params"] = flat_params(m)
         result["inner_lr"] = [g["lr"] for g in opt.optim.param_groups]
         opt.consolidate_state_dict(recipient_rank=0)
         result["sd"] = opt.state_dict() if ctx.rank == 0 else None
@@ -106,7 +108,7 @@ def parity_task(ctx, optim_name):
     return out
 
 
-@pytest.mark.parametrize("optim_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("optim_name", sorted(SGD_AND_ADAM))
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
 def test_partition_layout_training_and_state_dicts_are_identical(pool, world, optim_name):
     """Same partition, bucket layout, params after 5 steps (bit-identical, with param groups,
@@ -134,10 +136,10 @@ def transport_task(ctx, transport):
     os.environ[TRANSPORT_ENV] = transport
     try:
         out = {}
-        for kind, m in zip(CLASSES, clones(make_model(), 2)):
+        for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
             opt = build(kind, groups_of(m), ctx, "adam")
-            train(m, opt, 3)
-            out[kind] = flat_model(m)
+            train_diff(m, opt, 3)
+            out[kind] = flat_params(m)
         out["transports"] = opt.sync_buckets.transports()
     finally:
         del os.environ[TRANSPORT_ENV]
@@ -155,12 +157,12 @@ def test_bit_identical_on_every_sync_transport(pool, transport):
 
 def kwargs_task(ctx):
     out = {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = CLASSES[kind](m.parameters(), optim=KwargSGD, group=ctx.group, lr=0.1)
 
         def closure(m=m, opt=opt):
             opt.zero_grad()
-            loss = loss_of(m, 0)
+            loss = diff_loss(m, 0)
             loss.backward()
             return loss
 
@@ -181,10 +183,10 @@ def test_closure_and_step_kwargs_reach_the_local_optimizer(pool):
 # ------------------------------------------------------------------ checkpoints
 def save_task(ctx, optim_name):
     sds, params = {}, {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, groups_of(m), ctx, optim_name)
-        train(m, opt, 3)
-        sds[kind], params[kind] = opt.state_dict(all_ranks=True), flat_model(m)
+        train_diff(m, opt, 3)
+        sds[kind], params[kind] = opt.state_dict(all_ranks=True), flat_params(m)
     buffer = io.BytesIO()
     torch.save(sds["fairscale"], buffer)
     buffer.seek(0)  # fairscale's checkpoint loads without pickle
@@ -196,25 +198,25 @@ def load_task(ctx, optim_name, sds, values):
     results = {}
     for loader in CLASSES:
         for source in ("fairscale", "ours", "fairscale_file"):
-            model = make_model()
+            model = make_diff_model()
             load_flat(model, values)
             opt = build(loader, groups_of(model), ctx, optim_name)
             sd = copy.deepcopy(sds[source])
             opt.load_state_dict(sd)
             mutated_by_load = not same_value(sd, sds[source])
-            train(model, opt, 2, start=3)
+            train_diff(model, opt, 2, start=3)
             results[(loader, source)] = (
-                flat_model(model),
+                flat_params(model),
                 mutated_by_load,
                 not same_value(sd, sds[source]),
             )
-    optim, kwargs = OPTIMIZERS[optim_name]
-    ref = make_model()
+    optim, kwargs = SGD_AND_ADAM[optim_name]
+    ref = make_diff_model()
     load_flat(ref, values)
     ref_opt = optim(groups_of(ref), **kwargs)
     ref_opt.load_state_dict(copy.deepcopy(sds["fairscale"]))
-    train(ref, ref_opt, 2, start=3)
-    return results, flat_model(ref)
+    train_diff(ref, ref_opt, 2, start=3)
+    return results, flat_params(ref)
 
 
 @pytest.mark.parametrize("save_world,load_world", [(2, 3), (4, 1)])
@@ -238,18 +240,9 @@ def test_checkpoints_cross_load_both_ways_at_another_world_size(pool, save_world
 
 
 # ------------------------------------------------------------------ groups and trainability
-def _forward(model, extra, step):
-    return model(
-        torch.tanh(extra(torch.randn(6, 8, generator=torch.Generator().manual_seed(step))))
-    )
-
-
 def add_group_task(ctx, freeze_before_add):
-    torch.manual_seed(3)
-    model, extra = make_model(), torch.nn.Linear(8, 8)
     out = {}
-    for kind in (*CLASSES, "reference"):
-        m, e = copy.deepcopy(model), copy.deepcopy(extra)
+    for kind, m, e in with_extra_layer((*CLASSES, "reference")):
         if kind == "reference":
             opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         else:
@@ -260,10 +253,10 @@ def add_group_task(ctx, freeze_before_add):
                     m[0].weight.requires_grad_(False)
                 opt.add_param_group({"params": list(e.parameters()), "lr": 0.05})
             opt.zero_grad()
-            _forward(m, e, step).pow(2).mean().backward()
+            extra_layer_loss(m, e, step).backward()
             opt.step()
         params = [*m.parameters(), *e.parameters()]
-        out[kind] = {"params": flat(params)}
+        out[kind] = {"params": flat_double(params)}
         if kind != "reference":
             out[kind]["partition"] = partition_indices(opt, params, "partition_parameters")
     return out
@@ -285,12 +278,12 @@ def test_add_param_group_after_requires_grad_change_loses_updates_in_fairscale(p
 
 
 def refresh_task(ctx):
-    model = make_model()
+    model = make_diff_model()
     out = {}
     for kind, m in zip(CLASSES, clones(model, 2)):
         params = list(m.parameters())
         opt = build(kind, params, ctx)
-        train(m, opt, 2)
+        train_diff(m, opt, 2)
         before = partition_indices(opt, params, "partition_parameters")
         m[0].requires_grad_(False)
         m[2].requires_grad_(False)
@@ -298,7 +291,7 @@ def refresh_task(ctx):
         after = partition_indices(opt, params, "partition_parameters")
         twin = list(copy.deepcopy(m).parameters())  # same trainability, own storage
         fresh = FairscaleOSS(twin, optim=torch.optim.SGD, group=ctx.group, lr=0.1)
-        train(m, opt, 3, start=2)
+        train_diff(m, opt, 3, start=2)
         out[kind] = (before, after, partition_indices(fresh, twin, "partition_parameters"))
     return out
 
@@ -314,15 +307,15 @@ def test_refresh_trainable_repartitions(pool):
 
 
 def unfreeze_task(ctx):
-    model = make_model()
+    model = make_diff_model()
     model[4].weight.requires_grad_(False)
     out = {}
     for kind, m in zip(CLASSES, clones(model, 2)):
         opt = build(kind, list(m.parameters()), ctx)
-        train(m, opt, 1)
+        train_diff(m, opt, 1)
         m[4].weight.requires_grad_(True)  # no refresh_trainable() call
-        train(m, opt, 2, start=1)
-        out[kind] = flat_model(m)
+        train_diff(m, opt, 2, start=1)
+        out[kind] = flat_params(m)
     return out
 
 
@@ -339,14 +332,14 @@ def sharded_ddp_task(ctx):
     from fairscale.nn.data_parallel import ShardedDataParallel
 
     out = {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, m.parameters(), ctx, "adam")
         ddp = ShardedDataParallel(m, opt, process_group=ctx.group)
         for step in range(3):
             opt.zero_grad()
-            loss_of(ddp, step, rank=ctx.rank).backward()
+            diff_loss(ddp, step, rank=ctx.rank).backward()
             opt.step()
-        out[kind] = flat_model(m)
+        out[kind] = flat_params(m)
     return out
 
 
@@ -382,9 +375,9 @@ def patched_real_task(ctx):
     out = {}
     compat_fairscale.install()
     try:
-        for kind, m in zip(CLASSES, clones(make_model(), 2)):
-            train(m, build(kind, m.parameters(), ctx), 2)
-            out[kind] = flat_model(m)
+        for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
+            train_diff(m, build(kind, m.parameters(), ctx), 2)
+            out[kind] = flat_params(m)
     finally:
         compat_fairscale.uninstall()
     return out

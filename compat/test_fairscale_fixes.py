@@ -14,17 +14,18 @@ import torch
 
 pytest.importorskip("fairscale")
 
-from diff_utils import (  # noqa: E402 - after importorskip
+from fairscale_cases import CLASSES, build  # noqa: E402
+from helpers import (  # noqa: E402 - after importorskip
     catch,
     caught,
     clones,
-    flat,
-    flat_model,
-    loss_of,
-    make_model,
-    train,
+    diff_loss,
+    flat_double,
+    flat_params,
+    make_diff_model,
+    mixed_dtype_training,
+    train_diff,
 )
-from fairscale_cases import CLASSES, build  # noqa: E402
 
 from oss_plus.testing import PoolError, PoolTimeout  # noqa: E402
 
@@ -70,30 +71,13 @@ def test_broadcast_fp16_keeps_bf16_params_bf16(pool):
 
 
 def dtype_task(ctx):
-    torch.manual_seed(0)
-    # on 2 ranks, rank 1 owns the fp64 param and the last fp32 one
-    values = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
-    out = {}
-    for kind in (*CLASSES, "reference"):
-        params = [torch.nn.Parameter(v.clone()) for v in values]
+    def make(kind, params):
         groups = [{"params": params}]
         if kind == "reference":
-            opt = torch.optim.Adam(groups, lr=0.1)
-        else:
-            made = catch(CLASSES[kind], groups, optim=torch.optim.Adam, group=ctx.group, lr=0.1)
-            if made[0] != "ok":
-                out[kind] = ("constructor", made[0])
-                continue
-            opt = made[1]
+            return torch.optim.Adam(groups, lr=0.1)
+        return CLASSES[kind](groups, optim=torch.optim.Adam, group=ctx.group, lr=0.1)
 
-        def step(opt=opt, params=params):
-            opt.zero_grad()
-            sum((p.double() ** 2).sum() for p in params).backward()
-            opt.step()
-
-        status = catch(lambda: [step() for _ in range(3)])[0]
-        out[kind] = (status, [p.detach().clone() for p in params])
-    return out
+    return mixed_dtype_training(make, (*CLASSES, "reference"))
 
 
 def test_mixed_dtypes(pool):
@@ -109,9 +93,9 @@ def test_mixed_dtypes(pool):
 
 def empty_group_task(ctx):
     out = {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, [{"params": []}, {"params": list(m.parameters())}], ctx)
-        out[kind] = catch(train, m, opt, 2)[0]
+        out[kind] = catch(train_diff, m, opt, 2)[0]
     return out
 
 
@@ -125,30 +109,31 @@ def clip_task(ctx):
     """Four ranks; WORLD is all of them. Returns the totals of every scenario."""
     out = {}
     # stale list (#2): fairscale caches the params it clips on first use
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, list(m.parameters()), ctx)
         opt.clip_grad_norm(1.0)  # before any backward
-        loss_of(m, 0).backward()
+        diff_loss(m, 0).backward()
         out[("stale", kind)] = float(opt.clip_grad_norm(0.1))
         owned = [i for i, p in enumerate(m.parameters()) if opt._param_to_rank[p] == opt.rank]
-        out[("grads", kind)] = flat(list(m.parameters())[i].grad for i in owned)
-    ref = make_model()
-    loss_of(ref, 0).backward()
+        out[("grads", kind)] = flat_double(list(m.parameters())[i].grad for i in owned)
+    ref = make_diff_model()
+    diff_loss(ref, 0).backward()
     out["ref"] = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
-    out["ref_grads"] = flat(list(ref.parameters())[i].grad for i in owned)  # scaled: owned only
+    # what the owned grads must be (only they are scaled)
+    out["ref_grads"] = flat_double(list(ref.parameters())[i].grad for i in owned)
     # two independent groups of two ranks: WORLD counts every gradient twice
     pair = ctx.groups[(0, 1)] if ctx.global_rank < 2 else ctx.groups[(2, 3)]
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = CLASSES[kind](m.parameters(), optim=torch.optim.SGD, group=pair, lr=0.1)
-        loss_of(m, 0).backward()
+        diff_loss(m, 0).backward()
         out[("pairs", kind)] = float(opt.clip_grad_norm(1e9))
         if kind == "ours":
             out[("pairs", "ours_group")] = float(opt.clip_grad_norm(1e9, group=opt.group))
     # bf16: fairscale rounds each rank's partial norm to bf16 before reducing
-    for kind, m in zip(CLASSES, clones(make_model().to(torch.bfloat16), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model().to(torch.bfloat16), 2)):
         opt = build(kind, list(m.parameters()), ctx)
         m(torch.randn(6, 8, dtype=torch.bfloat16) * 30).pow(2).mean().backward()
-        out[("bf16_exact", kind)] = float(flat(p.grad for p in m.parameters()).norm())
+        out[("bf16_exact", kind)] = float(flat_double(p.grad for p in m.parameters()).norm())
         out[("bf16", kind)] = float(opt.clip_grad_norm(1e9))
     return out
 
@@ -170,7 +155,7 @@ def test_clip_grad_norm(pool):
 
 # ------------------------------------------------------------------ hangs and aborts
 def different_models_task(ctx, kind):
-    m = make_model(width=8 + ctx.rank)
+    m = make_diff_model(width=8 + ctx.rank)
     opt = CLASSES[kind](m.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
     opt.zero_grad()
     m(torch.randn(2, 8 + ctx.rank)).sum().backward()
@@ -190,18 +175,18 @@ def test_different_models_on_the_ranks(pool):
 def scaler_task(ctx, kind, scaler_name):
     from oss_plus.amp import ShardedGradScaler
 
-    m = make_model()
+    m = make_diff_model()
     opt = CLASSES[kind](m.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
     scaler_class = ShardedGradScaler if scaler_name == "sharded" else torch.amp.GradScaler
     scaler = scaler_class("cpu", init_scale=4.0)
-    before = flat_model(m)
+    before = flat_params(m)
     opt.zero_grad()
-    scaler.scale(loss_of(m, 0)).backward()
+    scaler.scale(diff_loss(m, 0)).backward()
     if ctx.rank == 1:  # an inf on one rank only (no DDP averaging)
         next(m.parameters()).grad[0, 0] = float("inf")
     scaler.step(opt)
     scaler.update()
-    return scaler.get_scale(), torch.equal(before, flat_model(m))
+    return scaler.get_scale(), torch.equal(before, flat_params(m))
 
 
 def test_inf_on_one_rank_with_a_grad_scaler(pool):

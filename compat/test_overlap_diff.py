@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from diff_utils import catch, same_value
+from helpers import (
+    MULTI_RANK_WORLD_IDS,
+    MULTI_RANK_WORLDS,
+    OVERLAP_OPTIMIZERS,
+    catch,
+    ddp_of,
+    logged,
+    make_overlap_model,
+    overlap_loss,
+    same_value,
+)
 from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -35,48 +44,10 @@ from oss_plus.overlap.plan import local_order, torch_assignments
 
 pytestmark = pytest.mark.compat
 
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-    "adam": (torch.optim.Adam, {"lr": 0.01}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
-}
 #: (interleaved, static_graph, shard_buckets, gradient_as_bucket_view)
 CONFIGS = [(i, s, b, False) for i in (False, True) for s in (False, True) for b in (False, True)]
 #: Iterations torch's hooks do not update: DDP's buckets are final from the 2nd (3rd) one.
 WARMUP = {False: 2, True: 3}
-#: Small buckets (about 157 floats): the model below spans 3 buckets of 2-4 params, and with
-#: shard_buckets some bucket is cut across ranks at every world size from 2 to 4.
-BUCKET_CAP_MB = 0.0006
-WORLDS = [{"world_size": 2}, {"world_size": 3}, {"world_size": 4}, {"ranks": (2, 3)}]
-WORLD_IDS = ["ws2", "ws3", "ws4", "offset23"]
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 6),
-        torch.nn.Tanh(),
-        torch.nn.Linear(6, 6),
-        torch.nn.Tanh(),
-        torch.nn.Linear(6, 60),
-        torch.nn.Linear(60, 4),
-    )
-
-
-def loss_of(model: torch.nn.Module, it: int, rank: int) -> torch.Tensor:
-    """A different batch on every rank, so DDP's averaging matters."""
-    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1000 * rank + it))
-    return model(x).pow(2).mean()
-
-
-def ddp_of(ctx: Any, model: torch.nn.Module, static: bool = False, gabv: bool = False) -> DDP:
-    return DDP(
-        model,
-        process_group=ctx.group,
-        bucket_cap_mb=BUCKET_CAP_MB,
-        static_graph=static,
-        gradient_as_bucket_view=gabv,
-    )
 
 
 def overlapped(
@@ -89,7 +60,7 @@ def overlapped(
     gabv: bool = False,
 ) -> tuple[DDP, ZeroRedundancyOptimizer]:
     """DDP + ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook, as torch's docs show."""
-    cls, kwargs = OPTIMIZERS[opt_name]
+    cls, kwargs = OVERLAP_OPTIMIZERS[opt_name]
     ddp = ddp_of(ctx, model, static, gabv)
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(), cls, process_group=ctx.group, overlap_with_ddp=True, **kwargs
@@ -104,7 +75,7 @@ def reference(
 ) -> tuple[DDP, Any]:
     """DDP with the same reduction (``allreduce_hook``: DDP's built-in one rounds differently
     at world size 3) + the unsharded optimizer."""
-    cls, kwargs = OPTIMIZERS[opt_name]
+    cls, kwargs = OVERLAP_OPTIMIZERS[opt_name]
     ddp = ddp_of(ctx, model, static)
     ddp.register_comm_hook(ctx.group, allreduce_hook)
     return ddp, cls(ddp.parameters(), **kwargs)
@@ -117,10 +88,10 @@ def run_pair(ctx: Any, pair: tuple[DDP, Any, DDP, Any], iters: range, warmup: in
     for it in iters:
         zero.zero_grad()
         ref_opt.zero_grad()
-        loss_of(ref_ddp, it, ctx.rank).backward()
+        overlap_loss(ref_ddp, it, ctx.rank).backward()
         if it >= warmup:
             ref_opt.step()
-        loss_of(ddp, it, ctx.rank).backward()
+        overlap_loss(ddp, it, ctx.rank).backward()
         same.append(all(torch.equal(a, b) for a, b in zip(ddp.parameters(), ref_ddp.parameters())))
     return same
 
@@ -129,7 +100,7 @@ def run_pair(ctx: Any, pair: tuple[DDP, Any, DDP, Any], iters: range, warmup: in
 def parity_task(ctx, opt_name, configs, iters):
     out = []
     for interleaved, static, shard, gabv in configs:
-        model = make_model()
+        model = make_overlap_model()
         start = [p.detach().clone() for p in model.parameters()]
         ddp, zero = overlapped(
             ctx, copy.deepcopy(model), opt_name, interleaved, static, shard, gabv
@@ -169,8 +140,8 @@ def check_parity(results: list[list[dict[str, Any]]], world_size: int) -> None:
         assert all(torch.equal(per_config[0]["params"], r["params"]) for r in per_config)
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.parametrize("opt_name", list(OVERLAP_OPTIMIZERS))
+@pytest.mark.parametrize("world", MULTI_RANK_WORLDS, ids=MULTI_RANK_WORLD_IDS)
 def test_hooks_equal_ddp_and_unsharded_optimizer_after_torchs_warmup(pool, world, opt_name):
     """Both hooks, static graph or not, sharded buckets or not: bit-identical to DDP + the
     unsharded optimizer at every iteration, where the reference skips step() during
@@ -249,7 +220,7 @@ def torch_gloo_guard_bypassed() -> Iterator[None]:
 
 def several_groups_task(ctx, torch_side):
     if not torch_side:
-        model = make_model()
+        model = make_overlap_model()
         groups = [
             {"params": list(model.parameters())[:4]},
             {"params": list(model.parameters())[4:]},
@@ -263,7 +234,7 @@ def several_groups_task(ctx, torch_side):
             lr=0.1,
         )
     # torch accepts them at construction and fails inside the backward after its warm-up
-    ddp = ddp_of(ctx, make_model())
+    ddp = ddp_of(ctx, make_overlap_model())
     ps = list(ddp.parameters())
     zero = TorchZero(
         [{"params": ps[:4]}, {"params": ps[4:]}],
@@ -275,7 +246,7 @@ def several_groups_task(ctx, torch_side):
     with torch_gloo_guard_bypassed():
         hook = torch_hooks.hook_with_zero_step(allreduce_hook, ddp, zero)
     ddp.register_comm_hook(ctx.group, hook)
-    return [catch(lambda it=it: loss_of(ddp, it, ctx.rank).backward()) for it in range(3)]
+    return [catch(lambda it=it: overlap_loss(ddp, it, ctx.rank).backward()) for it in range(3)]
 
 
 def test_several_param_groups_raise_runtime_error(pool):
@@ -292,7 +263,7 @@ def test_several_param_groups_raise_runtime_error(pool):
 def add_group_task(ctx):
     out = []
     for cls in (ZeroRedundancyOptimizer, TorchZero):
-        model = make_model()
+        model = make_overlap_model()
         ps = list(model.parameters())
         zero = cls(ps[:4], torch.optim.SGD, process_group=ctx.group, overlap_with_ddp=True, lr=0.1)
         out.append(catch(zero.add_param_group, {"params": ps[4:]}))
@@ -305,37 +276,30 @@ def test_add_param_group_raises_as_torch(pool):
 
 
 def trainability_task(ctx, torch_side):
-    model = make_model()
+    model = make_overlap_model()
     last_bias = list(model.parameters())[-1]
     last_bias.requires_grad_(False)  # frozen when DDP is built: DDP never reduces it
     ddp = ddp_of(ctx, model)
+    zero = (TorchZero if torch_side else ZeroRedundancyOptimizer)(
+        ddp.module.parameters(),
+        torch.optim.SGD,
+        process_group=ctx.group,
+        overlap_with_ddp=True,
+        lr=0.1,
+    )
     if torch_side:
-        zero = TorchZero(
-            ddp.module.parameters(),
-            torch.optim.SGD,
-            process_group=ctx.group,
-            overlap_with_ddp=True,
-            lr=0.1,
-        )
         with torch_gloo_guard_bypassed():
             ddp.register_comm_hook(
                 ctx.group, torch_hooks.hook_with_zero_step(allreduce_hook, ddp, zero)
             )
     else:
-        zero = ZeroRedundancyOptimizer(
-            ddp.module.parameters(),
-            torch.optim.SGD,
-            process_group=ctx.group,
-            overlap_with_ddp=True,
-            lr=0.1,
-        )
         ddp.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, ddp, zero))
     for it in range(4):
         zero.zero_grad()
-        loss_of(ddp, it, ctx.rank).backward()
+        overlap_loss(ddp, it, ctx.rank).backward()
     last_bias.requires_grad_(True)
     zero.zero_grad()
-    return catch(lambda: loss_of(ddp, 4, ctx.rank).backward())
+    return catch(lambda: overlap_loss(ddp, 4, ctx.rank).backward())
 
 
 def test_trainability_change_raises_as_torch(pool):
@@ -349,7 +313,7 @@ def test_trainability_change_raises_as_torch(pool):
 
 
 def not_overlap_task(ctx):
-    ddp = ddp_of(ctx, make_model())
+    ddp = ddp_of(ctx, make_overlap_model())
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
     )
@@ -364,29 +328,16 @@ def test_hooks_need_an_overlap_optimizer(pool):
         assert result == [("ValueError", NOT_OVERLAP)] * 2
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def step_task(ctx):
-    records = _Records()
-    logging.getLogger("oss_plus.compat.torch").addHandler(records)
-    try:
-        ddp, zero = overlapped(ctx, make_model(), "sgd_momentum")
+    with logged("oss_plus.compat.torch") as messages:
+        ddp, zero = overlapped(ctx, make_overlap_model(), "sgd_momentum")
         for it in range(3):
             zero.zero_grad()
-            loss_of(ddp, it, ctx.rank).backward()
+            overlap_loss(ddp, it, ctx.rank).backward()
         before = [p.detach().clone() for p in ddp.parameters()]
         returned = zero.step()
         unchanged = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
-        return returned, unchanged, records.messages
-    finally:
-        logging.getLogger("oss_plus.compat.torch").removeHandler(records)
+    return returned, unchanged, messages
 
 
 def test_step_warns_and_does_nothing(pool):
@@ -400,7 +351,7 @@ def state_task(ctx, tmp, opt_name):
     """After training: consolidated state = the reference's; reload and checkpoints before
     the new optimizer's initialization (torch raises there) hold the same state, which
     moves to its owners at initialization: training continues exactly like the reference."""
-    model = make_model()
+    model = make_overlap_model()
     ddp, zero = overlapped(ctx, copy.deepcopy(model), opt_name, interleaved=True)
     ref_ddp, ref_opt = reference(ctx, copy.deepcopy(model), opt_name)
     assert all(run_pair(ctx, (ddp, zero, ref_ddp, ref_opt), range(5), 2))

@@ -13,23 +13,25 @@ import inspect
 
 import pytest
 import torch
-from diff_utils import (
+from helpers import (
     WORLD_IDS,
     WORLDS,
     KwargSGD,
     catch,
     caught,
     clones,
-    flat,
-    flat_model,
+    diff_loss,
+    extra_layer_loss,
+    flat_double,
+    flat_params,
     groups_of,
     index_of,
     load_flat,
-    loss_of,
-    make_model,
+    make_diff_model,
     partition_indices,
     same_value,
-    train,
+    train_diff,
+    with_extra_layer,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch_cases import CLASSES, MODE_IDS, MODES, build
@@ -70,7 +72,7 @@ def test_constructor_signature_is_torchs():
 def parity_task(ctx, bucket_view, optim_name):
     optim = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optim_name]
     kwargs = {"lr": 0.01} if optim_name == "adam" else {"lr": 0.1, "momentum": 0.9}
-    model = make_model()
+    model = make_diff_model()
     model[0].bias.requires_grad_(False)  # frozen from the start: weighs its size in torch
     out = {}
     for kind, m in zip(CLASSES, clones(model, 2)):
@@ -94,8 +96,8 @@ def parity_task(ctx, bucket_view, optim_name):
         if bucket_view:
             r["layout"] = _layout(opt, params)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        r["losses"] = train(m, opt, 5, scheduler=sched, use_closure=True)
-        r["params"] = flat_model(m)
+        r["losses"] = train_diff(m, opt, 5, scheduler=sched, use_closure=True)
+        r["params"] = flat_params(m)
         opt.consolidate_state_dict(to=0)
         r["sd"] = catch(opt.state_dict)
         r["all_state_dicts"] = copy.deepcopy(opt._all_state_dicts)
@@ -133,10 +135,10 @@ def test_sgd_momentum_is_identical(pool, bucket_view):
 
 def kwargs_task(ctx):
     out = {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, m.parameters(), ctx, False, KwargSGD, lr=0.1)
         opt.zero_grad()
-        loss_of(m, 0).backward()
+        diff_loss(m, 0).backward()
         opt.step(scale=3.0)
         out[kind] = (opt.optim.param_groups[0]["seen_scale"], opt.param_groups[0]["seen_scale"])
     return out
@@ -150,15 +152,15 @@ def test_step_kwargs_reach_the_local_optimizer(pool):
 # ------------------------------------------------------------------ trainability and groups
 def trainability_task(ctx, bucket_view):
     out = {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, m.parameters(), ctx, bucket_view)
         inner = opt.optim
-        train(m, opt, 2)
+        train_diff(m, opt, 2)
         m[2].requires_grad_(False)  # detected at step(): no refresh call in torch's API
-        train(m, opt, 2, start=2)
+        train_diff(m, opt, 2, start=2)
         m[2].requires_grad_(True)
-        train(m, opt, 2, start=4)
-        out[kind] = (flat_model(m), opt.optim is inner)
+        train_diff(m, opt, 2, start=4)
+        out[kind] = (flat_params(m), opt.optim is inner)
     return out
 
 
@@ -172,11 +174,8 @@ def test_trainability_changes_are_detected_at_step(pool, bucket_view):
 
 
 def add_group_task(ctx, bucket_view, added_frozen):
-    torch.manual_seed(3)
-    model, extra = make_model(), torch.nn.Linear(8, 8)
     out = {}
-    for kind in (*CLASSES, "reference"):
-        m, e = copy.deepcopy(model), copy.deepcopy(extra)
+    for kind, m, e in with_extra_layer((*CLASSES, "reference")):
         if kind == "reference":
             opt = torch.optim.Adam(m.parameters(), lr=0.01)
         else:
@@ -188,11 +187,10 @@ def add_group_task(ctx, bucket_view, added_frozen):
             if step == 2:
                 e.requires_grad_(True)
             opt.zero_grad()
-            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
-            m(torch.tanh(e(x))).pow(2).mean().backward()
+            extra_layer_loss(m, e, step).backward()
             opt.step()
         params = [*m.parameters(), *e.parameters()]
-        out[kind] = {"params": flat(params)}
+        out[kind] = {"params": flat_double(params)}
         if kind != "reference":
             out[kind]["partition"] = partition_indices(opt, params, "_partition_parameters")
             out[kind]["all_params"] = len(opt._all_params)
@@ -220,12 +218,12 @@ def test_group_added_frozen_then_unfrozen_is_broadcast(pool):
 # ------------------------------------------------------------------ state dicts
 def save_task(ctx, bucket_view, optim, kwargs):
     sds, params = {}, {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         opt = build(kind, groups_of(m), ctx, bucket_view, optim, **kwargs)
-        train(m, opt, 3)
+        train_diff(m, opt, 3)
         opt.consolidate_state_dict(to=0)
         sds[kind] = opt.state_dict() if ctx.rank == 0 else None
-        params[kind] = flat_model(m)
+        params[kind] = flat_params(m)
     return sds, params
 
 
@@ -233,15 +231,15 @@ def load_task(ctx, bucket_view, optim, kwargs, sds, values):
     results = {}
     for loader in CLASSES:
         for source in CLASSES:
-            model = make_model()
+            model = make_diff_model()
             load_flat(model, values)
             opt = build(loader, groups_of(model), ctx, bucket_view, optim, **kwargs)
             sd = copy.deepcopy(sds[source])
             opt.load_state_dict(sd)
             mutated = not same_value(sd, sds[source])
             none_in_state = any(v is None for v in opt.state.values())
-            status = caught(ctx, lambda ctx, m=model, o=opt: train(m, o, 2, start=3))[0]
-            results[(loader, source)] = (status, flat_model(model), mutated, none_in_state)
+            status = caught(ctx, lambda ctx, m=model, o=opt: train_diff(m, o, 2, start=3))[0]
+            results[(loader, source)] = (status, flat_params(model), mutated, none_in_state)
     return results
 
 

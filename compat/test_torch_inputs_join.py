@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diff_utils import caught, clones, flat_model, loss_of, make_model
+from helpers import caught, clones, diff_loss, flat_params, make_diff_model, mixed_dtype_training
 from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch_cases import CLASSES, MODE_IDS, MODES, build
@@ -19,32 +19,21 @@ pytestmark = pytest.mark.compat
 
 # ------------------------------------------------------------------ inputs
 def dtype_task(ctx):
-    torch.manual_seed(0)
-    values = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
-    out = {}
-    for kind in (*CLASSES, "reference"):
-        params = [torch.nn.Parameter(v.clone()) for v in values]
+    def make(kind, params):
         if kind == "reference":
-            opt = torch.optim.Adam(params, lr=0.1)
-        else:
-            made = caught(ctx, lambda ctx, k=kind, p=params: build(k, p, ctx, True, lr=0.1))
-            if made[0] != "ok":
-                out[kind] = made[0]
-                continue
-            opt = made[1]
-        for _ in range(3):
-            opt.zero_grad()
-            sum((p.double() ** 2).sum() for p in params).backward()
-            opt.step()
-        out[kind] = [p.detach().clone() for p in params]
-    return out
+            return torch.optim.Adam(params, lr=0.1)
+        return build(kind, params, ctx, True, lr=0.1)
+
+    return mixed_dtype_training(make, (*CLASSES, "reference"))
 
 
 def test_mixed_dtypes(pool):
     """torch #5: mixed dtypes raise ValueError; ours trains them like the plain optimizer."""
     for r in pool.run(dtype_task, world_size=2):
-        assert r["torch"] == "ValueError"
-        assert all(torch.equal(a, b) for a, b in zip(r["ours"], r["reference"]))
+        assert r["torch"] == ("constructor", "ValueError")
+        status, params = r["ours"]
+        assert status == "ok"
+        assert all(torch.equal(a, b) for a, b in zip(params, r["reference"][1]))
 
 
 def _bad_params():
@@ -111,15 +100,15 @@ def join_task(ctx, bucket_view):
     from torch.nn.parallel import DistributedDataParallel
 
     out = {}
-    for kind, m in zip(CLASSES, clones(make_model(), 2)):
+    for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         ddp = DistributedDataParallel(m, process_group=ctx.group)
         opt = build(kind, ddp.parameters(), ctx, bucket_view)
         with Join([ddp, opt]):
             for step in range(2 + 2 * ctx.rank):  # uneven inputs
                 opt.zero_grad()
-                loss_of(ddp, step, rank=ctx.rank).backward()
+                diff_loss(ddp, step, rank=ctx.rank).backward()
                 opt.step()
-        out[kind] = flat_model(m)
+        out[kind] = flat_params(m)
     return out
 
 
@@ -133,14 +122,14 @@ def test_join_with_ddp_and_uneven_inputs(pool, bucket_view):
 
 
 def join_alone_task(ctx, kind):
-    m = make_model()
+    m = make_diff_model()
     opt = build(kind, m.parameters(), ctx, False, torch.optim.SGD, lr=0.1)
     with Join([opt]):  # the optimizer is the only (hence first) joinable
         for step in range(1 + ctx.rank):
             opt.zero_grad()
-            loss_of(m, step).backward()
+            diff_loss(m, step).backward()
             opt.step()
-    return flat_model(m)
+    return flat_params(m)
 
 
 def test_join_with_the_optimizer_as_first_joinable(pool):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS, batch, catch, clone_model, flat_params, make_model
+from helpers import WORLD_IDS, WORLDS, batch, catch, clone_model, flat_params, make_model
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import WORLD_IDS, WORLDS, catch, make_model, params_equal, train
+from helpers import WORLD_IDS, WORLDS, catch, make_model, params_equal, train
 from safetensors.torch import load_file, save_file
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import make_model, params_equal, train
+from helpers import make_model, params_equal, train
 from test_checkpoint import diff
 from test_checkpoint_files import SCRIPT_HEAD
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import make_model, params_equal, train
+from helpers import make_model, params_equal, train
 from test_checkpoint import OPTIMIZERS, diff
 
 import oss_plus
@@ -242,7 +242,7 @@ SCRIPT_HEAD = """
 import os, signal, sys, tempfile, time
 import torch, torch.distributed as dist
 sys.path[:0] = [{repo!r}, {tests!r}]
-from dist_utils import make_model, train
+from helpers import make_model, train
 from oss_plus import OSS, save_checkpoint
 from oss_plus.checkpoint import storage
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS
+from helpers import WORLD_IDS, WORLDS
 from test_checkpoint import diff
 
 from oss_plus import OSS, load_checkpoint

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import (
+from helpers import (
     WORLD_IDS,
     WORLDS,
     backward,

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from dist_utils import catch, make_model, train
+from helpers import catch, make_model, train
 
 from oss_plus import OSS, _arrival
 from oss_plus.compat import fairscale

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_utils import flat_params, make_model, train
+from helpers import flat_params, make_model, train
 
 from oss_plus.checkpoint import load_checkpoint, read_state_dict, save_checkpoint
 from oss_plus.compat.fairscale import OSS

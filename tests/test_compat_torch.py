@@ -3,18 +3,18 @@
 The comparison with torch's class is in compat/test_torch_diff.py.
 """
 
-import copy
-
 import pytest
 import torch
-from dist_utils import (
+from helpers import (
     WORLD_IDS,
     WORLDS,
     backward,
     catch,
     clone_model,
     flat_params,
+    loads_without_touching,
     make_model,
+    mixed_dtype_training,
     train,
 )
 from torch.distributed.algorithms.join import Join, Joinable
@@ -170,14 +170,7 @@ def state_task(ctx, sd):
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.AdamW, process_group=ctx.group, lr=0.01, fused=True
     )
-    pristine = copy.deepcopy(sd)
-    opt.load_state_dict(sd)
-    train(model, opt, 1)
-    unchanged = all(
-        torch.equal(pristine["state"][i][k], sd["state"][i][k])
-        for i in sd["state"]
-        for k in sd["state"][i]
-    )
+    unchanged = loads_without_touching(model, opt, sd)
     no_none = not any(v is None for v in opt.state.values())
     fused_step = {s["step"].device.type for s in opt.optim.state.values()}
     opt.consolidate_state_dict(to=1)
@@ -227,20 +220,20 @@ def test_freezing_keeps_the_partition_and_the_local_optimizer(pool):
 
 
 def mixed_dtype_task(ctx):
-    torch.manual_seed(0)
-    values = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
-    params = [torch.nn.Parameter(v.clone()) for v in values]
-    refs = [torch.nn.Parameter(v.clone()) for v in values]
-    opt = ZeroRedundancyOptimizer(
-        params, torch.optim.Adam, process_group=ctx.group, parameters_as_bucket_view=True, lr=0.1
-    )
-    ref = torch.optim.Adam(refs, lr=0.1)
-    for _ in range(3):
-        for ps, o in ((params, opt), (refs, ref)):
-            o.zero_grad()
-            sum((p.double() ** 2).sum() for p in ps).backward()
-            o.step()
-    return all(torch.equal(a, b) for a, b in zip(params, refs))
+    def make(kind, params):
+        if kind == "reference":
+            return torch.optim.Adam(params, lr=0.1)
+        return ZeroRedundancyOptimizer(
+            params,
+            torch.optim.Adam,
+            process_group=ctx.group,
+            parameters_as_bucket_view=True,
+            lr=0.1,
+        )
+
+    out = mixed_dtype_training(make, ("ours", "reference"))
+    status, params = out["ours"]
+    return status == "ok" and all(torch.equal(a, b) for a, b in zip(params, out["reference"][1]))
 
 
 def test_mixed_dtypes_are_supported(pool):

@@ -1,37 +1,16 @@
 """Compressed parameter sync (broadcast_fp16 / broadcast_dtype), tested through OSS."""
 
 import contextlib
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, make_model
+from helpers import TRANSPORTS, WORLD_IDS, WORLDS, backward, clone_model, make_model, transport
 
-from oss_plus import OSS, sync
+from oss_plus import OSS
 from oss_plus.sync import wire_dtype_for
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-#: Parameter-sync transports of oss_plus.sync (selected through its environment variable).
-TRANSPORTS = ["broadcast", "all_gather"]
-
-
-@contextlib.contextmanager
-def transport(name):
-    """Build the optimizer's buckets with the ``name`` transport (sync.TRANSPORT_ENV)."""
-    env = getattr(sync, "TRANSPORT_ENV", None)
-    if env is None:  # a sync module with a single (broadcast) transport
-        yield
-        return
-    saved = os.environ.get(env)
-    os.environ[env] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[env]
-        else:
-            os.environ[env] = saved
 
 
 @contextlib.contextmanager
@@ -102,8 +81,6 @@ def test_updates_below_wire_resolution_still_accumulate_on_the_owner(pool, world
 @pytest.mark.parametrize("via", TRANSPORTS)
 @pytest.mark.parametrize("wire", sorted(WIRES))
 def test_every_transport_keeps_the_owner_exact_and_rounds_replicas(pool, wire, via):
-    if via != "broadcast" and not hasattr(sync, "TRANSPORT_ENV"):
-        pytest.skip(f"oss_plus.sync has no {via} transport")
     results = pool.run(small_updates_task, wire, via, world_size=3)
     assert all(set(used) == {via} for *_, used in results)
     check_small_updates(results, WIRES[wire])

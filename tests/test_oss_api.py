@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import (
+from helpers import (
     backward,
     catch,
     clone_model,

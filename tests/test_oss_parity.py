@@ -2,7 +2,15 @@
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, make_model
+from helpers import (
+    WORLD_IDS,
+    WORLDS,
+    clone_model,
+    flat_params,
+    groups_of,
+    make_model,
+    train_in_lockstep,
+)
 
 from oss_plus import OSS
 
@@ -15,30 +23,15 @@ OPTIMIZERS = {
 }
 
 
-def _groups(model, two_groups):
-    params = list(model.parameters())
-    if not two_groups:
-        return params
-    return [{"params": params[::2]}, {"params": params[1::2], "lr": 0.003}]
-
-
 def parity_task(ctx, name, two_groups, rule, steps=4):
     optim, kwargs = OPTIMIZERS[name]
     model = make_model()
     ref_model = clone_model(model)
     opt = OSS(
-        _groups(model, two_groups), optim=optim, group=ctx.group, partition_rule=rule, **kwargs
+        groups_of(model, two_groups), optim=optim, group=ctx.group, partition_rule=rule, **kwargs
     )
-    ref = optim(_groups(ref_model, two_groups), **kwargs)
-    exact = []
-    for step in range(steps):
-        for m, o in ((model, opt), (ref_model, ref)):
-            o.zero_grad()
-            backward(m, step)
-            o.step()
-        exact.append(
-            all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
-        )
+    ref = optim(groups_of(ref_model, two_groups), **kwargs)
+    exact = train_in_lockstep(model, opt, ref_model, ref, steps)
     owned = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
     return {"exact": exact, "params": flat_params(model), "owned": owned}
 

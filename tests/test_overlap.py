@@ -7,14 +7,25 @@ The torch adapter's hooks are compared in compat/test_overlap_diff.py.
 from __future__ import annotations
 
 import copy
-import logging
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import catch
+from helpers import (
+    BUCKET_CAP_MB,
+    MULTI_RANK_WORLD_IDS,
+    MULTI_RANK_WORLDS,
+    OVERLAP_OPTIMIZERS,
+    catch,
+    ddp_of,
+    flat_params,
+    logged,
+    make_overlap_model,
+    overlap_loss,
+    params_equal,
+)
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -82,39 +93,10 @@ def test_owner_pieces_and_local_order():
 
 
 # ------------------------------------------------------------------ helpers of the pool tasks
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-    "adam": (torch.optim.Adam, {"lr": 0.01}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
-}
-#: About 157 floats per bucket: once DDP rebuilt them, the model spans 3 buckets.
-BUCKET_CAP_MB = 0.0006
-WORLDS = [{"world_size": 2}, {"world_size": 3}, {"world_size": 4}, {"ranks": (2, 3)}]
-WORLD_IDS = ["ws2", "ws3", "ws4", "offset23"]
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 6),
-        torch.nn.Tanh(),
-        torch.nn.Linear(6, 6),
-        torch.nn.Tanh(),
-        torch.nn.Linear(6, 60),
-        torch.nn.Linear(60, 4),
-    )
-
-
 def groups_of(module: torch.nn.Module, lr: float) -> list[dict[str, Any]]:
     """Two param groups (every other param) with different learning rates."""
     params = list(module.parameters())
     return [{"params": params[::2]}, {"params": params[1::2], "lr": lr / 3}]
-
-
-def loss_of(model: torch.nn.Module, it: int, rank: int) -> torch.Tensor:
-    """A different batch on every rank, so DDP's averaging matters."""
-    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1000 * rank + it))
-    return model(x).pow(2).mean()
 
 
 def build(
@@ -130,14 +112,8 @@ def build(
 ):
     """DDP + optimizer: ``overlap`` None: the unsharded torch optimizer (the reference),
     else OSS with the overlapped step (``overlap`` = interleaved or not)."""
-    cls, kwargs = OPTIMIZERS[opt_name]
-    ddp = DDP(
-        model,
-        process_group=ctx.group,
-        bucket_cap_mb=BUCKET_CAP_MB,
-        static_graph=static,
-        gradient_as_bucket_view=gabv,
-    )
+    cls, kwargs = OVERLAP_OPTIMIZERS[opt_name]
+    ddp = ddp_of(ctx, model, static, gabv)
     groups = groups_of(ddp.module, kwargs["lr"])
     if overlap is None:
         if hook is not None:
@@ -159,25 +135,21 @@ def train_both(ctx, pair, ref, iters, decay_lr=False):
     for it in iters:
         for d, o in ((ref_ddp, ref_opt), (ddp, opt)):
             o.zero_grad()
-            loss_of(d, it, ctx.rank).backward()
+            overlap_loss(d, it, ctx.rank).backward()
         ref_opt.step()
         if decay_lr:  # what an LR scheduler does, on both
             for o in (opt, ref_opt):
                 for g in o.param_groups:
                     g["lr"] *= 0.7
-        same.append(all(torch.equal(a, b) for a, b in zip(ddp.parameters(), ref_ddp.parameters())))
+        same.append(params_equal(ddp, ref_ddp))
     return same
-
-
-def flat(module):
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 # ------------------------------------------------------------------ parity
 def parity_task(ctx, opt_name, configs, iters):
     out = []
     for interleaved, static, gabv in configs:
-        model = make_model()
+        model = make_overlap_model()
         pair = build(
             ctx,
             copy.deepcopy(model),
@@ -195,7 +167,7 @@ def parity_task(ctx, opt_name, configs, iters):
             {
                 "config": (interleaved, static, gabv),
                 "same": same,
-                "params": flat(pair[0]),
+                "params": flat_params(pair[0]),
                 "entries": len(layout.layout.entries) if overlapped else 0,
                 "owners": owners,
             }
@@ -216,8 +188,8 @@ def check(results, world_size):
 CONFIGS = [(i, s, False) for i in (False, True) for s in (False, True)]
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.parametrize("opt_name", list(OVERLAP_OPTIMIZERS))
+@pytest.mark.parametrize("world", MULTI_RANK_WORLDS, ids=MULTI_RANK_WORLD_IDS)
 def test_overlap_equals_ddp_and_unsharded_optimizer_from_the_first_iteration(pool, world, opt_name):
     """No warm-up: bit-identical to plain DDP (no hook) + the unsharded optimizer at every
     iteration, including the first (before DDP rebuilt its buckets) and across the rebuild;
@@ -244,7 +216,7 @@ def hook_task(ctx, which):
     hook = {"allreduce": allreduce_hook, "copying": copying_hook}[which]
     out = []
     for interleaved in (False, True):
-        model = make_model()
+        model = make_overlap_model()
         pair = build(ctx, copy.deepcopy(model), "adam", overlap=interleaved, hook=hook)
         ref = build(ctx, copy.deepcopy(model), "adam", hook=hook)
         out.append(train_both(ctx, pair, ref, range(4)))
@@ -258,14 +230,14 @@ def test_any_reduction_hook(pool, which):
 
 
 def default_hook_task(ctx):
-    model = make_model()
+    model = make_overlap_model()
     plain, hooked = (
         DDP(copy.deepcopy(model), process_group=ctx.group),
         DDP(copy.deepcopy(model), process_group=ctx.group),
     )
     hooked.register_comm_hook(ctx.group, ddp_reduce_hook)
     for d in (plain, hooked):
-        loss_of(d, 0, ctx.rank).backward()
+        overlap_loss(d, 0, ctx.rank).backward()
     return all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters()))
 
 
@@ -276,12 +248,12 @@ def test_ddp_reduce_hook_is_ddps_own_averaging_bit_for_bit(pool):
 
 def wire_task(ctx, interleaved):
     """bf16 on the wire: the overlapped step equals DDP + OSS.step() with the same wire."""
-    model = make_model()
+    model = make_overlap_model()
     pair = build(
         ctx, copy.deepcopy(model), "adam", overlap=interleaved, broadcast_dtype=torch.bfloat16
     )
-    cls, kwargs = OPTIMIZERS["adam"]
-    ref_ddp = DDP(copy.deepcopy(model), process_group=ctx.group, bucket_cap_mb=BUCKET_CAP_MB)
+    cls, kwargs = OVERLAP_OPTIMIZERS["adam"]
+    ref_ddp = ddp_of(ctx, copy.deepcopy(model))
     ref = (
         ref_ddp,
         OSS(
@@ -303,7 +275,7 @@ def test_wire_dtype_as_the_plain_step(pool, interleaved):
 
 def reallocation_task(ctx):
     """Params given new storage between iterations (as module.to() does): laid out again."""
-    model = make_model()
+    model = make_overlap_model()
     pair = build(ctx, copy.deepcopy(model), "sgd_momentum", overlap=True)
     ref = build(ctx, copy.deepcopy(model), "sgd_momentum")
     same = train_both(ctx, pair, ref, range(3))
@@ -321,7 +293,7 @@ def test_params_reallocated_between_iterations(pool):
 
 # ------------------------------------------------------------------ state and checkpoints
 def state_task(ctx, tmp, opt_name):
-    model = make_model()
+    model = make_overlap_model()
     pair = build(ctx, copy.deepcopy(model), opt_name, overlap=True)
     ref = build(ctx, copy.deepcopy(model), opt_name)
     assert all(train_both(ctx, pair, ref, range(4)))
@@ -361,7 +333,7 @@ def test_state_dict_and_checkpoint(pool, tmp_path, opt_name):
 
 
 def pairing_task(ctx):
-    model = make_model()
+    model = make_overlap_model()
     ddp = DDP(model, process_group=ctx.group)
     params = list(model.parameters())
     extra = torch.nn.Parameter(torch.zeros(3))
@@ -385,17 +357,17 @@ def test_ddp_and_optimizer_must_cover_the_same_ranks_and_params(pool):
 
 
 def trainability_task(ctx, interleaved):
-    model = make_model()
+    model = make_overlap_model()
     frozen = list(model.parameters())[-1]
     frozen.requires_grad_(False)  # not reduced by DDP
-    ddp = DDP(model, process_group=ctx.group, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp = ddp_of(ctx, model)
     opt = OSS(ddp.module.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
     overlap_with_ddp(ddp, opt, interleaved=interleaved)
     for it in range(2):
         opt.zero_grad()
-        loss_of(ddp, it, ctx.rank).backward()
+        overlap_loss(ddp, it, ctx.rank).backward()
     frozen.requires_grad_(True)
-    return catch(lambda: loss_of(ddp, 2, ctx.rank).backward())
+    return catch(lambda: overlap_loss(ddp, 2, ctx.rank).backward())
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -404,28 +376,14 @@ def test_trainability_change_raises_on_every_rank(pool, interleaved):
         assert result[0] == "RuntimeError" and PARAMS_CHANGED in result[1]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def step_task(ctx):
-    records = _Records()
-    log = logging.getLogger("oss_plus.overlap.layout")
-    log.addHandler(records)
-    try:
-        ddp, opt = build(ctx, make_model(), "sgd_momentum", overlap=False)
+    with logged("oss_plus.overlap.layout") as messages:
+        ddp, opt = build(ctx, make_overlap_model(), "sgd_momentum", overlap=False)
         for it in range(2):
             opt.zero_grad()
-            loss_of(ddp, it, ctx.rank).backward()
+            overlap_loss(ddp, it, ctx.rank).backward()
             opt.step()  # a mistake: a second update
-        return records.messages
-    finally:
-        log.removeHandler(records)
+    return messages
 
 
 def test_step_while_overlapped_warns_once(pool):
@@ -466,7 +424,7 @@ def nccl_rank(rank: int, world: int) -> list[bool]:
     out = []
     for adapter in (False, True):
         for interleaved in (False, True):
-            model = make_model().to(device)
+            model = make_overlap_model().to(device)
             ddp = DDP(copy.deepcopy(model), device_ids=[rank], bucket_cap_mb=BUCKET_CAP_MB)
             ref = DDP(copy.deepcopy(model), device_ids=[rank], bucket_cap_mb=BUCKET_CAP_MB)
             ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)

@@ -6,7 +6,7 @@ memory, so safetensors does not take them for tied weights.
 
 import pytest
 import torch
-from dist_utils import make_model, train
+from helpers import make_model, train
 from safetensors.torch import _find_shared_tensors, load_file, load_model, save_file, save_model
 
 from oss_plus import OSS

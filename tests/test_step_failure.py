@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import WORLD_IDS, WORLDS, backward, catch, flat_params, make_model
+from helpers import WORLD_IDS, WORLDS, backward, catch, flat_params, make_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import oss_plus._dist

@@ -1,11 +1,18 @@
 """Parameter sync transports (broadcast, all_gather), tested through OSS."""
 
-import contextlib
-import os
-
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS, backward, clone_model, flat_params, make_model
+from helpers import (
+    SGD_AND_ADAM,
+    TRANSPORTS,
+    WORLD_IDS,
+    WORLDS,
+    clone_model,
+    flat_params,
+    make_model,
+    train_in_lockstep,
+    transport,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from oss_plus import OSS, sync
@@ -18,22 +25,7 @@ from oss_plus.sync import (
     bucket_numel,
 )
 
-TRANSPORTS = ["broadcast", "all_gather"]
 WIRES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@contextlib.contextmanager
-def transport(value):
-    """Select the transport of the OSS built inside (the env var overrides "auto")."""
-    old = os.environ.get(TRANSPORT_ENV)
-    if value is not None:
-        os.environ[TRANSPORT_ENV] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(TRANSPORT_ENV, None)
-        if old is not None:
-            os.environ[TRANSPORT_ENV] = old
 
 
 def set_grads(model):
@@ -70,24 +62,13 @@ def test_bucket_numel_pads_every_param_to_the_allocator_alignment():
 
 # ------------------------------------------------------------------ parity on every transport
 def parity_task(ctx, kind, name, steps=3):
-    optim, kwargs = {
-        "adam": (torch.optim.Adam, {"lr": 0.01}),
-        "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    }[name]
+    optim, kwargs = SGD_AND_ADAM[name]
     model = make_model()
     ref_model = clone_model(model)
     with transport(kind):
         opt = OSS(model.parameters(), optim=optim, group=ctx.group, **kwargs)
     ref = optim(ref_model.parameters(), **kwargs)
-    exact = []
-    for step in range(steps):
-        for m, o in ((model, opt), (ref_model, ref)):
-            o.zero_grad()
-            backward(m, step)
-            o.step()
-        exact.append(
-            all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
-        )
+    exact = train_in_lockstep(model, opt, ref_model, ref, steps)
     return {"exact": exact, "params": flat_params(model), "via": opt.sync_buckets.transports()}
 
 

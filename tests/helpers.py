@@ -1,0 +1,398 @@
+"""Helpers shared by tests/ and compat/, imported inside the pool's workers too.
+
+pytest puts tests/ on ``sys.path`` (``pythonpath`` in pyproject.toml), so every suite imports
+this module as ``helpers``; the pool's workers get the parent's ``sys.path`` and import it by
+the same name when they unpickle a task function.
+
+Three families of models and data, kept apart because each suite's exact numbers (which params
+rounding touches, which rank owns what) depend on them:
+
+* the unit suites of tests/: :func:`make_model`, :func:`batch`, :func:`backward`, :func:`train`;
+* the differential suites of compat/: :func:`make_diff_model`, :func:`diff_loss`,
+  :func:`train_diff`, :data:`SGD_AND_ADAM`;
+* DDP with the overlapped step (tests/test_overlap.py, compat/test_overlap_diff.py):
+  :func:`make_overlap_model`, :func:`overlap_loss`, :func:`ddp_of`, :data:`OVERLAP_OPTIMIZERS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from oss_plus.sync import TRANSPORT_ENV
+
+# ------------------------------------------------------------------ process groups
+#: The process-group configurations every distributed behaviour is checked on.
+WORLDS = [{"world_size": n} for n in (1, 2, 3, 4)] + [{"ranks": (2, 3)}]
+WORLD_IDS = ["ws1", "ws2", "ws3", "ws4", "offset23"]
+#: :data:`WORLDS` without the single rank (DDP's overlap needs someone to talk to).
+MULTI_RANK_WORLDS = WORLDS[1:]
+MULTI_RANK_WORLD_IDS = WORLD_IDS[1:]
+
+#: Parameter-sync transports of oss_plus.sync, selected with :func:`transport`.
+TRANSPORTS = ["broadcast", "all_gather"]
+
+#: Optimizers as name -> (class, kwargs): a stateful SGD and Adam.
+SGD_AND_ADAM: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+}
+
+
+# ------------------------------------------------------------------ data and training
+def batch(step: int, width: int = 6, n: int = 5, rank: int = 0) -> torch.Tensor:
+    """A batch that depends on ``step`` and ``rank`` only: the same on every process (so grads
+    agree without DDP) unless ``rank`` differs."""
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(1000 * rank + 100 + step))
+
+
+def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+    """The unit suites' loss: :func:`make_model` on :func:`batch`."""
+    return model(batch(step)).pow(2).mean()
+
+
+def backward(model: torch.nn.Module, step: int) -> torch.Tensor:
+    loss = loss_of(model, step)
+    loss.backward()
+    return loss
+
+
+def diff_loss(model: torch.nn.Module, step: int, rank: int = 0) -> torch.Tensor:
+    """The differential suites' loss: :func:`make_diff_model` on 6 rows."""
+    return model(batch(step, width=8, n=6, rank=rank)).pow(2).mean()
+
+
+def train(
+    model: torch.nn.Module,
+    opt: Any,
+    steps: int,
+    start: int = 0,
+    scheduler: Any = None,
+    use_closure: bool = False,
+    loss_fn: Callable[[torch.nn.Module, int], torch.Tensor] = loss_of,
+) -> list[float]:
+    """Plain training loop returning the losses; optionally with a closure (odd steps) and an
+    LR scheduler (stepped after every optimizer step)."""
+    losses = []
+    for step in range(start, start + steps):
+        if use_closure and step % 2:
+
+            def closure(step: int = step) -> torch.Tensor:
+                opt.zero_grad()
+                loss = loss_fn(model, step)
+                loss.backward()
+                return loss
+
+            losses.append(opt.step(closure).item())
+        else:
+            opt.zero_grad()
+            loss = loss_fn(model, step)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def train_diff(model: torch.nn.Module, opt: Any, steps: int, start: int = 0, **kw: Any):
+    """:func:`train` on the differential suites' data (:func:`diff_loss`)."""
+    return train(model, opt, steps, start, loss_fn=diff_loss, **kw)
+
+
+def overlap_loss(model: torch.nn.Module, it: int, rank: int) -> torch.Tensor:
+    """A different batch on every rank, so DDP's averaging matters."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1000 * rank + it))
+    return model(x).pow(2).mean()
+
+
+# ------------------------------------------------------------------ models and param groups
+def make_model(seed: int = 0, width: int = 6, depth: int = 3) -> torch.nn.Module:
+    """The unit suites' MLP: params of different sizes, identical for a given seed."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    sizes = [width + 2 * i for i in range(depth + 1)]
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(sizes[-1], 1))
+    return torch.nn.Sequential(*layers)
+
+
+def make_diff_model(seed: int = 0, width: int = 8) -> torch.nn.Module:
+    """The differential suites' MLP (matmuls, so the memory layout of params matters for
+    rounding)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, width + 4),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width + 4, width + 2),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width + 2, 1),
+    )
+
+
+#: Optimizers of the overlap suites as name -> (class, kwargs).
+OVERLAP_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+#: Small DDP buckets (about 157 floats): :func:`make_overlap_model` spans 3 buckets of 2-4
+#: params once DDP rebuilt them, and with torch's ``shard_buckets`` some bucket is cut across
+#: ranks at every world size from 2 to 4.
+BUCKET_CAP_MB = 0.0006
+
+
+def make_overlap_model(seed: int = 0) -> torch.nn.Module:
+    """The overlap suites' model (its params fill several :data:`BUCKET_CAP_MB` buckets)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 6),
+        torch.nn.Tanh(),
+        torch.nn.Linear(6, 6),
+        torch.nn.Tanh(),
+        torch.nn.Linear(6, 60),
+        torch.nn.Linear(60, 4),
+    )
+
+
+def ddp_of(
+    ctx: Any, model: torch.nn.Module, static: bool = False, gabv: bool = False
+) -> DistributedDataParallel:
+    """DDP over the task's group with :data:`BUCKET_CAP_MB` buckets."""
+    return DistributedDataParallel(
+        model,
+        process_group=ctx.group,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        static_graph=static,
+        gradient_as_bucket_view=gabv,
+    )
+
+
+def with_extra_layer(
+    kinds: Iterable[str],
+) -> Iterator[tuple[str, torch.nn.Module, torch.nn.Module]]:
+    """Per kind: fresh copies of one :func:`make_diff_model` and of an 8x8 layer put in front of
+    it (a param group to add later), the same for every kind."""
+    torch.manual_seed(3)
+    model, extra = make_diff_model(), torch.nn.Linear(8, 8)
+    for kind in kinds:
+        yield kind, copy.deepcopy(model), copy.deepcopy(extra)
+
+
+def extra_layer_loss(model: torch.nn.Module, extra: torch.nn.Module, step: int) -> torch.Tensor:
+    """The loss of ``model`` behind ``extra`` (see :func:`with_extra_layer`)."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+    return model(torch.tanh(extra(x))).pow(2).mean()
+
+
+def clone_model(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def clones(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    return [copy.deepcopy(model) for _ in range(n)]
+
+
+def groups_of(model: torch.nn.Module, two_groups: bool = True) -> list[dict[str, Any]]:
+    """Two param groups (every other param) with different learning rates, or one group."""
+    params = list(model.parameters())
+    if not two_groups:
+        return [{"params": params}]
+    return [{"params": params[::2]}, {"params": params[1::2], "lr": 0.003}]
+
+
+def index_of(model_params: list[torch.Tensor]) -> Callable[[torch.Tensor], int]:
+    ids = {id(p): i for i, p in enumerate(model_params)}
+    return lambda p: ids[id(p)]
+
+
+def partition_indices(opt: Any, params: list[torch.Tensor], method: str) -> list[list[list[int]]]:
+    """Per rank, per group, the indices (in ``params``) of the params the rank owns."""
+    idx = index_of(params)
+    return [[[idx(p) for p in g["params"]] for g in groups] for groups in getattr(opt, method)()]
+
+
+class KwargSGD(torch.optim.SGD):
+    """An optimizer whose step takes an extra keyword (as apex's fused optimizers do)."""
+
+    def step(self, closure=None, scale=1.0):
+        for group in self.param_groups:
+            group["seen_scale"] = scale
+        return super().step(closure)
+
+
+@contextlib.contextmanager
+def transport(name: str | None) -> Iterator[None]:
+    """Build the optimizers made inside with the ``name`` sync transport (None: as configured)."""
+    saved = os.environ.get(TRANSPORT_ENV)
+    if name is not None:
+        os.environ[TRANSPORT_ENV] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(TRANSPORT_ENV, None)
+        else:
+            os.environ[TRANSPORT_ENV] = saved
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged(name: str) -> Iterator[list[str]]:
+    """The messages logged to logger ``name`` inside the block (also on a pool worker)."""
+    records, log = _Records(), logging.getLogger(name)
+    log.addHandler(records)
+    try:
+        yield records.messages
+    finally:
+        log.removeHandler(records)
+
+
+# ------------------------------------------------------------------ params and comparisons
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """All params of ``model`` in one new 1-d tensor."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def flat_double(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``params`` in one 1-d float64 tensor (mixed dtypes compare without rounding)."""
+    return torch.cat([p.detach().reshape(-1).double() for p in params])
+
+
+def load_flat(model: torch.nn.Module, values: torch.Tensor) -> None:
+    """Copy ``values`` (as from :func:`flat_params`) into the params of ``model``."""
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(values[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    """Exact equality of two torch.optim state dicts (tensors, values and groups)."""
+    if sorted(a["state"]) != sorted(b["state"]) or a["param_groups"] != b["param_groups"]:
+        return False
+    for k in a["state"]:
+        sa, sb = a["state"][k], b["state"][k]
+        if sorted(sa) != sorted(sb):
+            return False
+        for key in sa:
+            x, y = sa[key], sb[key]
+            if isinstance(x, torch.Tensor):
+                if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Exact, dtype-sensitive equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu())
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+# ------------------------------------------------------------------ scenarios of several suites
+def train_in_lockstep(
+    model: torch.nn.Module, opt: Any, ref_model: torch.nn.Module, ref: Any, steps: int
+) -> list[bool]:
+    """Train both pairs on the same batches; after each step, whether params are identical."""
+    exact = []
+    for step in range(steps):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            backward(m, step)
+            o.step()
+        exact.append(params_equal(model, ref_model))
+    return exact
+
+
+def mixed_dtype_training(
+    make: Callable[[str, list[torch.nn.Parameter]], Any], kinds: Iterable[str]
+) -> dict[str, tuple[str, Any]]:
+    """Three steps on fp32, fp64 and fp32 params (5, 3 and 4 elements: on 2 ranks fairscale's
+    partition gives rank 1 the fp64 one and the last one) with ``make(kind, params)``, per kind.
+
+    Returns per kind ("constructor", error type name) when ``make`` raised, else the status of
+    the steps (as :func:`catch` names it) and the params after them.
+    """
+    torch.manual_seed(0)
+    values = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4)]
+    out: dict[str, tuple[str, Any]] = {}
+    for kind in kinds:
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        made = catch(make, kind, params)
+        if made[0] != "ok":
+            out[kind] = ("constructor", made[0])
+            continue
+
+        def steps(opt: Any = made[1], params: list[torch.nn.Parameter] = params) -> None:
+            for _ in range(3):
+                opt.zero_grad()
+                sum((p.double() ** 2).sum() for p in params).backward()
+                opt.step()
+
+        out[kind] = (catch(steps)[0], [p.detach().clone() for p in params])
+    return out
+
+
+def loads_without_touching(model: torch.nn.Module, opt: Any, sd: dict) -> bool:
+    """Load ``sd`` into ``opt`` and train a step: whether the caller's ``sd`` kept its entries
+    and values (neither mutated by the load nor aliased by the optimizer's state)."""
+    pristine = copy.deepcopy(sd)
+    opt.load_state_dict(sd)
+    train(model, opt, 1)
+    same = all(
+        torch.equal(pristine["state"][i][k], sd["state"][i][k])
+        for i in sd["state"]
+        for k in sd["state"][i]
+    )
+    return same and sd["state"].keys() == pristine["state"].keys()
+
+
+# ------------------------------------------------------------------ errors as data
+def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """Run ``fn``; return ("ok", result) or (exception type name, message).
+
+    Lets a pool task return an error as data, so a test can assert that every rank raised.
+    """
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return (type(exc).__name__, str(exc))
+
+
+def caught(ctx: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """Pool task: run ``fn(ctx, *args, **kwargs)`` and return :func:`catch`'s result."""
+    return catch(fn, ctx, *args, **kwargs)
