@@ -245,7 +245,7 @@ class GradReducer:
                         self._fill(b, slot, self.params[index])
                 self._ready[b] = len(bucket.members)
             self._launch_ready()
-            used = self._used.to(_dist.comm_device(self.group))
+            used = self._used.to(_dist.comm_device(self.group), copy=True)  # reduced async
             flags = dist.all_reduce(used, group=self.group, async_op=True)
             self._complete(block=True)
             assert flags is not None
