@@ -73,7 +73,7 @@ def test_parity_with_ddp_and_oss(pool, world, bucket):
 
 
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "offset23"])
-@pytest.mark.parametrize("bucket", BUCKETS)
+@pytest.mark.parametrize("bucket", BUCKETS[:2])  # 2**23 (one bucket per owner) in the parity test
 @pytest.mark.parametrize(
     "scenario",
     [
