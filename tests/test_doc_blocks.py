@@ -187,6 +187,15 @@ def check_checkpoint_api(ns: dict, out: str) -> None:
     assert state_equal(read_state_dict("ckpt/migrated"), sd)
 
 
+def check_zero2(ns: dict, out: str) -> None:
+    from oss_plus import ShardedDataParallel
+
+    assert isinstance(ns["zero2"], ShardedDataParallel)
+    owners = ns["zero2_opt"].param_to_rank
+    assert ns["held"] == [owners[p] == rank() for p in ns["net"].parameters()]
+    assert same_on_every_rank(flat_params(ns["net"]))
+
+
 Check = Callable[[dict, str], None]
 #: One check per python block of each page, in order.
 CHECKS: dict[str, list[Check]] = {
@@ -200,6 +209,7 @@ CHECKS: dict[str, list[Check]] = {
         check_join,
         check_pt,
         check_checkpoint_migration,
+        check_zero2,
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
     "checkpoints.md": [check_checkpoint_api],
