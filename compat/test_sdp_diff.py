@@ -71,7 +71,9 @@ def diff_task(ctx, ours_bucket, theirs_bucket, accumulate=0, freeze_at=None, ste
 @pytest.mark.parametrize("world", WORLDS[:4], ids=WORLD_IDS[:4])  # offset23: see below
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize(
-    "scenario", [{}, {"accumulate": 2}, {"freeze_at": 1, "steps": 5}], ids=["plain", "no_sync", "freeze"]
+    "scenario",
+    [{}, {"accumulate": 2}, {"freeze_at": 1, "steps": 5}],
+    ids=["plain", "no_sync", "freeze"],
 )
 def test_matches_fairscale_with_reduce_buffer_size_0(pool, world, bucket, scenario):
     results = pool.run(diff_task, bucket, 0, **scenario, **world)

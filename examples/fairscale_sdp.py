@@ -48,8 +48,10 @@ def main() -> None:
         scaler.update()
         owned = sum(p.grad is not None for p in net.parameters())
         if step % 10 == 0 or step == args.steps - 1:
-            log(f"step {step:4d}  loss {loss.item():.5f}  grad norm {norm.item():.4f}  "
-                f"grads held on rank 0: {owned} of {len(list(net.parameters()))}")
+            log(
+                f"step {step:4d}  loss {loss.item():.5f}  grad norm {norm.item():.4f}  "
+                f"grads held on rank 0: {owned} of {len(list(net.parameters()))}"
+            )
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ PATCHED = textwrap.dedent(
     assert fairscale.optim.OSS is not compat.OSS
     assert compat.install(data_parallel=True) == "patched"
     import fairscale.nn
-    assert fdp.ShardedDataParallel is fairscale.nn.ShardedDataParallel is oss_plus.ShardedDataParallel
+    ours = oss_plus.ShardedDataParallel
+    assert fdp.ShardedDataParallel is fairscale.nn.ShardedDataParallel is ours
     assert fgs.ShardedGradScaler is oss_plus.ShardedGradScaler
     compat.uninstall()
     assert fdp.ShardedDataParallel is real_sdp and fgs.ShardedGradScaler is real_scaler
@@ -150,7 +151,11 @@ def test_install_with_fairscale_replaces_data_parallel_only_when_asked():
     pytest.importorskip("fairscale")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", PATCHED], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", PATCHED],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]

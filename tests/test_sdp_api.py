@@ -32,7 +32,9 @@ def test_plan_covers_each_param_once_within_the_cap(cap):
         assert len({keys[i] for i in b.members}) == 1
         assert b.numel == sum(sizes[i] for i in b.members)
         assert len(b.members) == 1 or b.numel <= cap
-        assert list(b.offsets) == [sum(sizes[i] for i in b.members[:k]) for k in range(len(b.members))]
+        assert list(b.offsets) == [
+            sum(sizes[i] for i in b.members[:k]) for k in range(len(b.members))
+        ]
     for i, (b, slot) in plan.position.items():
         assert plan.buckets[b].members[slot] == i
     if cap == 0:
@@ -52,7 +54,9 @@ def bad_input_task(ctx, case):
     torch.manual_seed(0)
     model = Net()
     if case == "not_oss":
-        return catch(ShardedDataParallel, model, torch.optim.SGD(model.parameters(), lr=0.1), ctx.group)
+        return catch(
+            ShardedDataParallel, model, torch.optim.SGD(model.parameters(), lr=0.1), ctx.group
+        )
     if case == "list_with_non_oss":
         opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
         return catch(ShardedDataParallel, model, [opt, object()], ctx.group)

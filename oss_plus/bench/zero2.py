@@ -18,7 +18,7 @@ import argparse
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ def _model(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks)
 
 
-def _grad_bytes(params: list[torch.Tensor]) -> int:
+def _grad_bytes(params: Sequence[torch.Tensor]) -> int:
     storages: dict[int, int] = {}
     for p in params:
         if p.grad is not None:
@@ -135,13 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectives", action="store_true")
     args = p.parse_args(argv)
     if args.collectives:
-        print(f"{'elements':>10} " + " ".join(f"{n:>15}" for n in ("reduce", "all_reduce", "reduce_scatter")))
+        print(
+            f"{'elements':>10} "
+            + " ".join(f"{n:>15}" for n in ("reduce", "all_reduce", "reduce_scatter"))
+        )
         for numel in (2**16, 2**20, 2**23):
             ms = run_local(_collective_rank, args.world, numel, 7)[0]
-            print(f"{numel:>10} " + " ".join(f"{ms.get(n, float('nan')):>12.2f} ms" for n in ("reduce", "all_reduce", "reduce_scatter")))
+            print(
+                f"{numel:>10} "
+                + " ".join(
+                    f"{ms.get(n, float('nan')):>12.2f} ms"
+                    for n in ("reduce", "all_reduce", "reduce_scatter")
+                )
+            )
         return 0
     settings = {k: getattr(args, k) for k in ("width", "layers", "batch", "bucket", "steps")}
-    print(f"{'config':>15} {'rank':>4} {'step (s)':>9} {'peak .grad MB':>14} {'peak RSS MB':>12} {'model MB':>9}")
+    print(
+        f"{'config':>15} {'rank':>4} {'step (s)':>9} {'peak .grad MB':>14} "
+        f"{'peak RSS MB':>12} {'model MB':>9}"
+    )
     for config in args.configs.split(","):
         for rank, r in enumerate(run_local(_rank, args.world, config, settings)):
             print(

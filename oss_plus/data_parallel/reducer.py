@@ -182,12 +182,12 @@ class GradReducer:
             buffer.mul_(1.0 / self.world_size)
             self._buffers[b] = buffer
             return
-        buffer = self._buffers[b]
-        if buffer is None:
+        flat = self._buffers[b]
+        if flat is None:
             dtype = buffer_dtype(param.dtype, self.wire)
-            buffer = torch.empty(bucket.numel, dtype=dtype, device=param.device)
-            self._buffers[b] = buffer
-        out = buffer[bucket.offsets[slot] : bucket.offsets[slot] + param.numel()]
+            flat = torch.empty(bucket.numel, dtype=dtype, device=param.device)
+            self._buffers[b] = flat
+        out = flat[bucket.offsets[slot] : bucket.offsets[slot] + param.numel()]
         if grad is None:
             out.zero_()
             return

@@ -227,8 +227,7 @@ class ShardedDataParallel(nn.Module):
         src = _dist.global_rank(self.process_group, 0)
         with torch.no_grad():
             works = [
-                dist.broadcast(t, src=src, group=self.process_group, async_op=True)
-                for t in tensors
+                dist.broadcast(t, src=src, group=self.process_group, async_op=True) for t in tensors
             ]
         if blocking or dist.get_backend(self.process_group) != dist.Backend.NCCL:
             for work in works:
@@ -246,9 +245,7 @@ class ShardedDataParallel(nn.Module):
         owners: dict[torch.Tensor, int] = {}
         for optimizer in self._optimizers:
             owners.update(optimizer.param_to_rank)
-        return [
-            (p.requires_grad, owners.get(p, -1), p.dtype) for p in self.module.parameters()
-        ]
+        return [(p.requires_grad, owners.get(p, -1), p.dtype) for p in self.module.parameters()]
 
     def _refresh_if_changed(self) -> None:
         signature = self._current_signature()
