@@ -2,6 +2,7 @@
 
 from oss_plus.amp import ShardedGradScaler
 from oss_plus.checkpoint import load_checkpoint, save_checkpoint
+from oss_plus.data_parallel import ShardedDataParallel
 from oss_plus.optimizer import OSS
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 
@@ -9,6 +10,7 @@ __all__ = [
     "OSS",
     "ParamSpec",
     "Rule",
+    "ShardedDataParallel",
     "ShardedGradScaler",
     "assign_owners",
     "load_checkpoint",

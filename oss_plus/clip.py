@@ -196,10 +196,26 @@ def sharded_norms(
 
     .. warning:: Collective: call on every rank of ``group``.
     """
+    return _norms_and_presence(params, owned, norm_type, group)[0]
+
+
+def _norms_and_presence(
+    params: Sequence[torch.Tensor], owned: Sequence[bool], norm_type: float, group: Any
+) -> tuple[torch.Tensor, list[int]]:
+    """:func:`sharded_norms`, plus the indices of the params whose owner holds a gradient.
+
+    A rank holding every gradient (DDP) knows the answer locally.
+
+    The owner's view decides (under ZeRO-2 only the owner holds the gradient); both travel
+    in the same ``all_reduce``.
+    """
     p = _check_norm_type(norm_type)
     device = _dist.comm_device(group)
-    vector = torch.zeros(len(params), dtype=torch.float32, device=device)
+    count = len(params)
+    vector = torch.zeros(2 * count, dtype=torch.float32, device=device)
     mine = [i for i, (q, own) in enumerate(zip(params, owned)) if own and q.grad is not None]
+    if mine:
+        vector[count + torch.tensor(mine, dtype=torch.long)] = 1.0
     by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in mine:
         grad = params[i].grad
@@ -211,7 +227,10 @@ def sharded_norms(
         index = torch.tensor(indices, dtype=torch.long, device=device)
         vector.index_copy_(0, index, torch.stack(norms).to(device=device, dtype=torch.float32))
     dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
-    return vector
+    if all(q.grad is not None for q in params):  # every rank holds every grad (DDP): no sync
+        return vector[:count], list(range(count))
+    present = [i for i, flag in enumerate(vector[count:].tolist()) if flag]
+    return vector[:count], present
 
 
 @torch.no_grad()
@@ -247,8 +266,7 @@ def clip_sharded_(
     p = _check_norm_type(norm_type)
     max_norm = _check_max_norm(max_norm)
     with torch.profiler.record_function("oss_plus::clip_grad_norm"):
-        norms = sharded_norms(params, owned, p, group)
-        with_grad = [i for i, q in enumerate(params) if q.grad is not None]
+        norms, with_grad = _norms_and_presence(params, owned, p, group)
         if len(with_grad) != len(params):
             keep = torch.tensor(with_grad, dtype=torch.long, device=norms.device)
             norms = norms.index_select(0, keep)

@@ -56,12 +56,19 @@ SCENARIO = textwrap.dedent(
     assert OSS is OSS2 is compat.OSS
     assert fairscale.__version__ == "0.4.13"
     assert importlib.util.find_spec("fairscale") is not None
+    import oss_plus
+    from fairscale.nn import ShardedDataParallel as SDP1
+    from fairscale.nn.data_parallel import ShardedDataParallel as SDP2
+    from fairscale.nn.data_parallel.sharded_ddp import ShardedDataParallel as SDP3
+    from fairscale.optim.grad_scaler import ShardedGradScaler
+    assert SDP1 is SDP2 is SDP3 is oss_plus.ShardedDataParallel
+    assert ShardedGradScaler is oss_plus.ShardedGradScaler
     try:
-        import fairscale.nn  # not served by the stand-in
+        import fairscale.nn.model_parallel  # not served by the stand-in
     except ImportError:
         pass
     else:
-        raise AssertionError("fairscale.nn should not import")
+        raise AssertionError("fairscale.nn.model_parallel should not import")
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)
@@ -92,11 +99,8 @@ SCENARIO = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("finder", ["Hide", "Broken"])
-def test_install_serves_fairscale_imports_without_a_working_fairscale(finder):
-    """The adapters import without fairscale; install() makes both import paths resolve to
-    the adapter, which trains; uninstall() restores the previous state."""
-    script = PRELUDE.format(finder=finder) + SCENARIO.format(port=free_port())
+def _run_ok(script: str) -> None:
+    """Run ``script`` in a fresh interpreter; it must exit 0 and print OK last."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -108,3 +112,40 @@ def test_install_serves_fairscale_imports_without_a_working_fairscale(finder):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("OK")
+
+
+@pytest.mark.parametrize("finder", ["Hide", "Broken"])
+def test_install_serves_fairscale_imports_without_a_working_fairscale(finder):
+    """The adapters import without fairscale; install() makes both import paths resolve to
+    the adapter, which trains; uninstall() restores the previous state."""
+    script = PRELUDE.format(finder=finder) + SCENARIO.format(port=free_port())
+    _run_ok(script)
+
+
+PATCHED = textwrap.dedent(
+    """
+    import oss_plus, oss_plus.compat.fairscale as compat
+    import fairscale.nn.data_parallel as fdp
+    import fairscale.optim.grad_scaler as fgs
+    real_sdp, real_scaler = fdp.ShardedDataParallel, fgs.ShardedGradScaler
+    assert compat.install() == "patched"  # default: only OSS is replaced
+    import fairscale.optim
+    assert fairscale.optim.OSS is compat.OSS
+    assert fdp.ShardedDataParallel is real_sdp and fgs.ShardedGradScaler is real_scaler
+    compat.uninstall()
+    assert fairscale.optim.OSS is not compat.OSS
+    assert compat.install(data_parallel=True) == "patched"
+    import fairscale.nn
+    ours = oss_plus.ShardedDataParallel
+    assert fdp.ShardedDataParallel is fairscale.nn.ShardedDataParallel is ours
+    assert fgs.ShardedGradScaler is oss_plus.ShardedGradScaler
+    compat.uninstall()
+    assert fdp.ShardedDataParallel is real_sdp and fgs.ShardedGradScaler is real_scaler
+    print("OK")
+    """
+)
+
+
+def test_install_with_fairscale_replaces_data_parallel_only_when_asked():
+    pytest.importorskip("fairscale")
+    _run_ok(PATCHED)

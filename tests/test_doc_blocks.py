@@ -197,6 +197,15 @@ def check_async_save(ns: dict, out: str) -> None:
     assert not state_equal(opt.state_dict(all_ranks=True), ns["sd"])  # the step went on
 
 
+def check_zero2(ns: dict, out: str) -> None:
+    from oss_plus import ShardedDataParallel
+
+    assert isinstance(ns["zero2"], ShardedDataParallel)
+    owners = ns["zero2_opt"].param_to_rank
+    assert ns["held"] == [owners[p] == rank() for p in ns["net"].parameters()]
+    assert same_on_every_rank(flat_params(ns["net"]))
+
+
 Check = Callable[[dict, str], None]
 #: One check per python block of each page, in order.
 CHECKS: dict[str, list[Check]] = {
@@ -210,6 +219,7 @@ CHECKS: dict[str, list[Check]] = {
         check_join,
         check_pt,
         check_checkpoint_migration,
+        check_zero2,
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
     "checkpoints.md": [check_checkpoint_api, check_async_save],

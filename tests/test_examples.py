@@ -99,3 +99,58 @@ def test_quickstart_code_runs_under_torchrun(tmp_path):
     script.write_text(f"{train}\n{save}\n{check}")
     out = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)])
     assert "quickstart ok 0 2" in out and "quickstart ok 1" in out
+
+
+BLOCK_FAIRSCALE = '''\
+"""Test-only: fairscale is not installed (every fairscale import fails before install())."""
+import importlib.abc
+import sys
+
+
+class _NoFairscale(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "fairscale" or name.startswith("fairscale."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoFairscale())
+'''
+
+
+def test_fairscale_sdp_example_runs_without_fairscale(tmp_path):
+    """The fairscale script runs under torchrun where fairscale cannot be imported.
+
+    The venv has fairscale installed, so a ``sitecustomize`` (first on PYTHONPATH, loaded by
+    every interpreter torchrun starts) puts a finder first on ``sys.meta_path`` that fails
+    every ``fairscale`` import, as an uninstalled fairscale would; ``install()`` then puts
+    oss_plus's stand-in before it. The script also reports that what it imported is the
+    stand-in.
+    """
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_FAIRSCALE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    check = subprocess.run(
+        [sys.executable, "-c", "import fairscale"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode != 0 and "No module named 'fairscale'" in check.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(EXAMPLES / "fairscale_sdp.py"),
+            "--steps",
+            "3",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fairscale served by oss_plus: True" in proc.stdout
+    assert "ShardedDataParallel is oss_plus.data_parallel.sharded_ddp" in proc.stdout
+    assert "step    2" in proc.stdout

@@ -5,9 +5,18 @@ import ``OSS`` are imported):
 
 * fairscale installed: its modules ``fairscale.optim`` and ``fairscale.optim.oss`` are
   imported and their ``OSS`` attribute is replaced (the rest of fairscale is untouched);
-* fairscale absent (or failing to import): an import hook serves three small modules,
-  ``fairscale``, ``fairscale.optim`` and ``fairscale.optim.oss``, each exposing ``OSS``;
-  any other ``fairscale.*`` import still fails with ``ModuleNotFoundError``.
+* fairscale absent (or failing to import): an import hook serves small stand-in modules:
+  ``fairscale``, ``fairscale.optim`` and ``fairscale.optim.oss`` (``OSS``),
+  ``fairscale.optim.grad_scaler`` (``ShardedGradScaler``: :class:`oss_plus.ShardedGradScaler`),
+  ``fairscale.nn``, ``fairscale.nn.data_parallel`` and
+  ``fairscale.nn.data_parallel.sharded_ddp`` (``ShardedDataParallel``:
+  :class:`oss_plus.ShardedDataParallel`); any other ``fairscale.*`` import still fails with
+  ``ModuleNotFoundError``;
+* fairscale installed: only ``OSS`` is replaced, as before, unless ``data_parallel=True``
+  also replaces ``ShardedDataParallel`` and ``ShardedGradScaler`` in their modules. The
+  default stays narrow because a codebase that keeps fairscale installed may rely on the
+  rest of it (FSDP, its own grad scaler); a codebase that wants fairscale gone entirely runs
+  with it uninstalled and gets everything.
 
 :func:`uninstall` reverts either mode.
 """
@@ -29,9 +38,24 @@ __all__ = ["install", "is_installed", "uninstall"]
 logger = logging.getLogger(__name__)
 
 #: Modules served by the import hook when fairscale is absent (packages have a ``__path__``).
-SHIM_MODULES = {"fairscale": True, "fairscale.optim": True, "fairscale.optim.oss": False}
+SHIM_MODULES = {
+    "fairscale": True,
+    "fairscale.optim": True,
+    "fairscale.optim.oss": False,
+    "fairscale.optim.grad_scaler": False,
+    "fairscale.nn": True,
+    "fairscale.nn.data_parallel": True,
+    "fairscale.nn.data_parallel.sharded_ddp": False,
+}
 #: Modules whose ``OSS`` attribute is replaced when fairscale is installed.
 PATCHED_MODULES = ("fairscale.optim", "fairscale.optim.oss")
+#: With ``data_parallel=True``: further (module, attribute) pairs replaced in a real fairscale.
+PATCHED_DATA_PARALLEL = (
+    ("fairscale.nn.data_parallel", "ShardedDataParallel"),
+    ("fairscale.nn.data_parallel.sharded_ddp", "ShardedDataParallel"),
+    ("fairscale.nn", "ShardedDataParallel"),
+    ("fairscale.optim.grad_scaler", "ShardedGradScaler"),
+)
 #: Marks the modules created by the hook.
 SHIM_MARKER = "__oss_plus_shim__"
 #: The fairscale version the shim modules report.
@@ -57,16 +81,31 @@ class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None  # the default module object
 
     def exec_module(self, module: ModuleType) -> None:
-        from oss_plus.compat.fairscale import OSS
-
         setattr(module, SHIM_MARKER, True)
-        module.__doc__ = "oss_plus stand-in for fairscale: only OSS (oss_plus.compat.fairscale)."
+        module.__doc__ = "oss_plus stand-in for fairscale (see oss_plus.compat.fairscale)."
         if module.__name__ == "fairscale":
             module.__version__ = SHIM_VERSION  # type: ignore[attr-defined]
-            module.__all__ = []  # type: ignore[attr-defined]
-        else:
-            module.OSS = OSS  # type: ignore[attr-defined]
-            module.__all__ = ["OSS"]  # type: ignore[attr-defined]
+        exports = _replacements().get(module.__name__, {})
+        for name, value in exports.items():
+            setattr(module, name, value)
+        module.__all__ = sorted(exports)  # type: ignore[attr-defined]
+
+
+def _replacements() -> dict[str, dict[str, Any]]:
+    """What each fairscale module exposes from oss_plus (imported lazily)."""
+    from oss_plus.amp import ShardedGradScaler
+    from oss_plus.compat.fairscale import OSS
+    from oss_plus.data_parallel import ShardedDataParallel
+
+    sdp = {"ShardedDataParallel": ShardedDataParallel}
+    return {
+        "fairscale.optim": {"OSS": OSS},
+        "fairscale.optim.oss": {"OSS": OSS},
+        "fairscale.optim.grad_scaler": {"ShardedGradScaler": ShardedGradScaler},
+        "fairscale.nn": dict(sdp),
+        "fairscale.nn.data_parallel": dict(sdp),
+        "fairscale.nn.data_parallel.sharded_ddp": dict(sdp),
+    }
 
 
 def _fairscale_findable() -> bool:
@@ -76,35 +115,46 @@ def _fairscale_findable() -> bool:
         return False
 
 
-def _patch_real() -> bool:
-    """Replace ``OSS`` in the real fairscale modules; return False if fairscale fails to import."""
-    from oss_plus.compat.fairscale import OSS
-
+def _patch_real(data_parallel: bool) -> bool:
+    """Replace ``OSS`` (and with ``data_parallel`` the wrapper and scaler) in the real
+    fairscale modules; return False if fairscale fails to import."""
+    targets = [(name, "OSS") for name in PATCHED_MODULES]
+    if data_parallel:
+        targets += list(PATCHED_DATA_PARALLEL)
+    values = _replacements()
     before = set(sys.modules)
     try:
-        modules = [importlib.import_module(name) for name in PATCHED_MODULES]
+        modules = {name: importlib.import_module(name) for name, _ in targets}
     except ImportError as exc:
         for name in set(sys.modules) - before:
             if name == "fairscale" or name.startswith("fairscale."):
                 del sys.modules[name]
         logger.warning("fairscale is installed but failed to import (%s): using the stand-in", exc)
         return False
-    for module in modules:
-        _installed["saved"][module.__name__] = module.OSS
-        module.OSS = OSS  # type: ignore[attr-defined]
+    for name, attribute in targets:
+        module = modules[name]
+        _installed["saved"][(name, attribute)] = getattr(module, attribute, None)
+        setattr(module, attribute, values[name][attribute])
     return True
 
 
-def install() -> str:
-    """Make ``fairscale.optim.OSS`` and ``fairscale.optim.oss.OSS`` be oss_plus's adapter.
+def install(*, data_parallel: bool = False) -> str:
+    """Make fairscale's ``OSS`` (and with fairscale absent, its ``ShardedDataParallel`` and
+    ``ShardedGradScaler``) resolve to oss_plus.
 
     Call it once at the entry point, before importing code that does
     ``from fairscale.optim import OSS``: names bound earlier keep the real class.
     Calling it again does nothing.
 
+    Args:
+        data_parallel: with fairscale installed, also replace
+            ``fairscale.nn.data_parallel.ShardedDataParallel`` and
+            ``fairscale.optim.grad_scaler.ShardedGradScaler`` (with fairscale absent they
+            are always served).
+
     Returns:
-        ``"patched"`` (fairscale installed, its ``OSS`` replaced) or ``"shim"`` (fairscale
-        absent: stand-in modules serve the three import paths).
+        ``"patched"`` (fairscale installed, its classes replaced) or ``"shim"`` (fairscale
+        absent: stand-in modules serve the import paths).
 
     Example:
         >>> import oss_plus.compat.fairscale as fs_compat  # doctest: +SKIP
@@ -113,7 +163,7 @@ def install() -> str:
     """
     if _installed["mode"] is not None:
         return str(_installed["mode"])
-    if _fairscale_findable() and _patch_real():
+    if _fairscale_findable() and _patch_real(data_parallel):
         _installed["mode"] = "patched"
     else:
         finder = _ShimFinder()
@@ -124,11 +174,11 @@ def install() -> str:
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: restore fairscale's ``OSS`` or remove the stand-in modules."""
-    for name, original in _installed["saved"].items():
+    """Undo :func:`install`: restore fairscale's classes or remove the stand-in modules."""
+    for (name, attribute), original in _installed["saved"].items():
         module = sys.modules.get(name)
         if module is not None:
-            module.OSS = original  # type: ignore[attr-defined]
+            setattr(module, attribute, original)
     finder = _installed["finder"]
     if finder is not None and finder in sys.meta_path:
         sys.meta_path.remove(finder)

@@ -1,0 +1,106 @@
+"""Input checks of :class:`~oss_plus.data_parallel.ShardedDataParallel` and their messages.
+
+Pure apart from reading process-group membership: every rank computes the same answer from
+the same model and optimizers; the wrapper then raises on every rank together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oss_plus.optimizer import OSS
+
+__all__ = [
+    "MISSING_PARAMS",
+    "MIXED_DEVICE_TYPES",
+    "MODULE_MOVED",
+    "NOT_OSS",
+    "OTHER_GROUP",
+    "SHARED_PARAM",
+    "check_optimizers",
+    "owners_of",
+]
+
+#: Raised for a sharded_optimizer that is not an oss_plus OSS (or a list of them).
+NOT_OSS = (
+    "ShardedDataParallel needs sharded_optimizer to be an oss_plus.OSS (or "
+    "oss_plus.compat.fairscale.OSS), or a non-empty list of them; got {given}. Build the "
+    "optimizer with OSS(model.parameters(), optim=..., group=...) and pass it"
+)
+#: Raised when an optimizer shards over other ranks than the wrapper reduces over.
+OTHER_GROUP = (
+    "ShardedDataParallel: optimizer {index} shards over the ranks {theirs} but process_group "
+    "holds the ranks {ours}; pass process_group=<the optimizer's group> (opt.group)"
+)
+#: Raised when trainable params of the module are in no optimizer.
+MISSING_PARAMS = (
+    "ShardedDataParallel: {count} trainable param(s) of the module are in no sharded "
+    "optimizer, so nobody would own their gradient: {names}. Create the optimizer over "
+    "every trainable param (model.parameters()) or freeze them (requires_grad=False)"
+)
+#: Raised when a param is in two optimizers.
+SHARED_PARAM = (
+    "ShardedDataParallel: param {name!r} is in optimizers {first} and {second}; every param "
+    "may be sharded by one optimizer only"
+)
+#: Raised when the module's params are on several device types.
+MIXED_DEVICE_TYPES = (
+    "ShardedDataParallel: the module's params must be on one device type, got {types}; "
+    "move the whole module with module.to(device) before wrapping it"
+)
+#: Raised at forward when a param changed device after wrapping.
+MODULE_MOVED = (
+    "ShardedDataParallel: param {name!r} moved from {before} to {after} after wrapping; the "
+    "sharded optimizer's state stays on the old device. Move the module before creating "
+    "the optimizer and the wrapper (changing only the dtype is supported)"
+)
+
+
+def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
+    """Return ``optimizers`` as a list after checking their type and process group.
+
+    Raises:
+        TypeError: not an OSS or a non-empty list of OSS.
+        ValueError: an optimizer shards over other ranks than ``group``.
+    """
+    listed = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not listed or not all(isinstance(o, OSS) for o in listed):
+        given = type(optimizers).__name__
+        if isinstance(optimizers, (list, tuple)):
+            given = f"{given} of [{', '.join(type(o).__name__ for o in listed)}]"
+        raise TypeError(NOT_OSS.format(given=given))
+    ours = dist.get_process_group_ranks(group)
+    for index, optimizer in enumerate(listed):
+        theirs = dist.get_process_group_ranks(optimizer.group)
+        if theirs != ours:
+            raise ValueError(OTHER_GROUP.format(index=index, theirs=theirs, ours=ours))
+    return list(listed)
+
+
+def owners_of(
+    optimizers: Sequence[OSS], named: Sequence[tuple[str, torch.Tensor]]
+) -> dict[torch.Tensor, int]:
+    """Map each param of the optimizers to its owner; check trainable module params are there.
+
+    Raises:
+        ValueError: a param in two optimizers, or trainable module params in none.
+    """
+    owners: dict[torch.Tensor, int] = {}
+    seen: dict[torch.Tensor, int] = {}
+    names = {p: n for n, p in named}
+    for index, optimizer in enumerate(optimizers):
+        for param, owner in optimizer.param_to_rank.items():
+            if param in seen:
+                name = names.get(param, "<not in the module>")
+                raise ValueError(SHARED_PARAM.format(name=name, first=seen[param], second=index))
+            seen[param] = index
+            owners[param] = owner
+    missing = [n for n, p in named if p.requires_grad and p not in owners]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(MISSING_PARAMS.format(count=len(missing), names=shown))
+    return owners

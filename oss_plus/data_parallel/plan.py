@@ -1,0 +1,115 @@
+"""PURE: which gradients travel together, to whom, in which order (the reduce plan).
+
+A plan is a frozen value computed from plain data (one :class:`GradSpec` per trainable
+param, in the module's registration order) and a bucket size. It is identical on every rank
+of the group when the ranks hold the same model and the same partition, which is what makes
+the collectives match: buckets are launched strictly in plan order.
+
+Rules:
+
+* a bucket holds params with the same owner, dtype and device;
+* params are taken in *reverse* registration order (roughly the order backward produces
+  their gradients, as DDP does), and a bucket is closed when the next param would take it
+  past ``bucket_numel`` elements; a param larger than that travels alone; ``bucket_numel=0``
+  means one bucket per param;
+* buckets are ordered by the position of their last member in that reverse order, i.e. by
+  when backward completes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Bucket", "GradSpec", "ReducePlan", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class GradSpec:
+    """What the plan needs to know of one trainable param.
+
+    Attributes:
+        numel: element count.
+        owner: group-local rank that owns the param (its optimizer state and its gradient).
+        key: what must be equal for two params to share a flat buffer (dtype, device).
+    """
+
+    numel: int
+    owner: int
+    key: Hashable
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Params (indices into the spec list) reduced together to ``owner`` in one collective.
+
+    Attributes:
+        owner: group-local rank receiving the sum.
+        members: indices of the params, in the order of their slices in the flat buffer.
+        offsets: element offset of each member in the flat buffer.
+        numel: total element count of the flat buffer.
+    """
+
+    owner: int
+    members: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    """The buckets in launch order, and for each param its (bucket, slot) position.
+
+    Example:
+        >>> specs = [GradSpec(4, 0, "f32"), GradSpec(2, 1, "f32"), GradSpec(3, 0, "f32")]
+        >>> p = plan_buckets(specs, bucket_numel=100)
+        >>> [(b.owner, b.members, b.offsets) for b in p.buckets]
+        [(1, (1,), (0,)), (0, (2, 0), (0, 3))]
+        >>> p.position[0]
+        (1, 1)
+    """
+
+    buckets: tuple[Bucket, ...]
+    position: dict[int, tuple[int, int]]
+
+
+def plan_buckets(specs: Sequence[GradSpec], bucket_numel: int) -> ReducePlan:
+    """Group ``specs`` into buckets of at most ``bucket_numel`` elements (see module doc).
+
+    Args:
+        specs: one entry per trainable param, in registration order.
+        bucket_numel: the largest bucket in elements; 0 (or less) puts each param alone.
+
+    Returns:
+        The plan; ``position[i]`` is ``(bucket index, slot index)`` of param ``i``.
+    """
+    open_: dict[tuple[int, Hashable], list[int]] = {}
+    closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
+    for index in reversed(range(len(specs))):
+        spec = specs[index]
+        slot_key = (spec.owner, spec.key)
+        members = open_.get(slot_key, [])
+        size = sum(specs[i].numel for i in members)
+        if members and (bucket_numel <= 0 or size + spec.numel > bucket_numel):
+            closed.append((_last_position(members, len(specs)), members))
+            members = []
+        members.append(index)
+        open_[slot_key] = members
+    closed.extend((_last_position(m, len(specs)), m) for m in open_.values() if m)
+    closed.sort(key=lambda item: item[0])
+    buckets = []
+    position: dict[int, tuple[int, int]] = {}
+    for b, (_, members) in enumerate(closed):
+        offsets, total = [], 0
+        for slot, index in enumerate(members):
+            offsets.append(total)
+            total += specs[index].numel
+            position[index] = (b, slot)
+        owner = specs[members[0]].owner
+        buckets.append(Bucket(owner, tuple(members), tuple(offsets), total))
+    return ReducePlan(tuple(buckets), position)
+
+
+def _last_position(members: Sequence[int], count: int) -> int:
+    """Position, in reverse registration order, of the member backward reaches last."""
+    return max(count - 1 - i for i in members)

@@ -1,0 +1,276 @@
+"""``ShardedDataParallel``: ZeRO-2, each gradient is reduced to the rank that owns it.
+
+A drop-in for ``fairscale.nn.data_parallel.ShardedDataParallel`` (fairscale 0.4.13): same
+constructor, ``forward``, ``no_sync()``, ``refresh_trainable()``, ``reduce()``,
+``sync_buffers()``, ``zero_grad()`` and attribute fall-through. Ownership comes from the
+sharded optimizer's public ``param_to_rank``; the reduction is planned by
+:mod:`oss_plus.data_parallel.plan` and run by :mod:`oss_plus.data_parallel.reducer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oss_plus import _dist
+from oss_plus.data_parallel import _validate
+from oss_plus.data_parallel.compress import resolve_wire
+from oss_plus.data_parallel.plan import GradSpec, plan_buckets
+from oss_plus.data_parallel.reducer import GradReducer
+from oss_plus.optimizer import OSS
+
+__all__ = ["ShardedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+#: Logged (once per change) when trainability changes are detected at forward.
+TRAINABLE_CHANGED = (
+    "ShardedDataParallel detected that the trainable params changed (freezing or "
+    "unfreezing): repartitioning the optimizer(s) and re-planning the reduction"
+)
+
+
+class ShardedDataParallel(nn.Module):
+    """Wrap a module so each gradient is averaged onto the rank that owns its param (ZeRO-2).
+
+    After backward, a rank holds ``.grad`` only for the params its sharded optimizer owns
+    (the others are ``None``), equal to the average over the ranks as DDP computes it.
+    Gradients travel in buckets of up to ``reduce_buffer_size`` elements, reduced to their
+    owner while backward goes on; buckets are transient (unlike fairscale's, whose bucketed
+    grads are never sharded).
+
+    Args:
+        module: the model, on its final device, identical on every rank.
+        sharded_optimizer: an :class:`oss_plus.OSS` (or ``oss_plus.compat.fairscale.OSS``),
+            or a list of them over disjoint params; they define who owns each gradient.
+        process_group: the ranks to reduce over (default WORLD); must be the optimizers'.
+        broadcast_buffers: broadcast the module's buffers from rank 0 at every forward, as
+            DDP does.
+        sync_models_at_startup: broadcast params and buffers from rank 0 now.
+        reduce_buffer_size: largest bucket, in elements; 0 sends each gradient alone.
+        auto_refresh_trainable: detect ``requires_grad`` changes at forward and repartition.
+        reduce_fp16: send gradients as fp16 (DDP's ``fp16_compress_hook``), in any bucket
+            setting (fairscale turns it off when buckets are used).
+        warn_on_trainable_params_changed: log a warning when trainability changes.
+        reduce_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``
+            (``reduce_fp16=True`` wins).
+
+    Raises:
+        TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
+        ValueError: an optimizer over other ranks, trainable params in no optimizer, a param
+            in two optimizers, params on several device types, a bad ``reduce_dtype``.
+        All are raised on every rank of ``process_group``.
+
+    Example:
+        >>> opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
+        >>> model = ShardedDataParallel(model, opt)  # doctest: +SKIP
+        >>> model(x).sum().backward(); opt.step(); model.zero_grad()  # doctest: +SKIP
+
+    .. warning:: Collective: construct, run forward/backward, ``refresh_trainable``,
+       ``reduce`` and ``sync_buffers`` on every rank of ``process_group``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: OSS | list[OSS],
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+        *,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = _dist.resolve_group(process_group)
+        self._optimizers: list[OSS] = []
+        error: Exception | None = None
+        try:
+            self._optimizers = _validate.check_optimizers(sharded_optimizer, self.process_group)
+            self._wire = resolve_wire(reduce_fp16, reduce_dtype)
+            types = sorted({p.device.type for p in module.parameters()})
+            if len(types) > 1:
+                raise ValueError(_validate.MIXED_DEVICE_TYPES.format(types=types))
+            _validate.owners_of(self._optimizers, list(module.named_parameters()))
+        except (TypeError, ValueError) as exc:
+            error = exc
+        _dist.agree(error, self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.reduce_buffer_size = reduce_buffer_size
+        self.auto_refresh_trainable = auto_refresh_trainable
+        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self._accumulate = False
+        self._devices = [p.device for p in module.parameters()]
+        self._signature: list[tuple[Any, ...]] = []
+        self._reducer: GradReducer | None = None
+        if sync_models_at_startup:
+            self._broadcast(list(module.state_dict().values()))
+        self._replan()
+
+    # ----------------------------------------------------------------- DDP-like surface
+    @property
+    def sharded_optimizers(self) -> list[OSS]:
+        """The sharded optimizers that decide who owns each gradient."""
+        return list(self._optimizers)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; the backward that follows reduces each gradient to its owner.
+
+        Checks first, on every call: params moved to another device (error), trainability
+        changes (repartition, with ``auto_refresh_trainable``), a new partition of the
+        optimizer or new dtypes (re-plan). Buffers are broadcast from rank 0 like DDP.
+
+        Raises:
+            ValueError: a param changed device after wrapping.
+
+        .. warning:: Collective: call on every rank of ``process_group``.
+        """
+        with torch.profiler.record_function("oss_plus::sdp::forward"):
+            self._check_devices()
+            self._refresh_if_changed()
+            if self.broadcast_buffers:
+                self.sync_buffers(blocking=True)
+            assert self._reducer is not None
+            if self.training and torch.is_grad_enabled():
+                self._reducer.start_pass(reduce=not self._accumulate)
+            else:
+                self._reducer.quiet()
+            return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside this context do not reduce: gradients accumulate on every rank.
+
+        Like DDP, the decision is taken at forward; the first backward after a forward
+        outside the context reduces the accumulated gradients.
+        """
+        previous = self._accumulate
+        self._accumulate = True
+        try:
+            yield
+        finally:
+            self._accumulate = previous
+
+    def reduce(self) -> None:
+        """Reduce the gradients now (after a backward inside :meth:`no_sync`).
+
+        Not needed in normal training: backward reduces by itself.
+
+        Raises:
+            RuntimeError: nothing is waiting to be reduced.
+
+        .. warning:: Collective: call on every rank of ``process_group``.
+        """
+        assert self._reducer is not None
+        self._reducer.reduce_now()
+
+    def refresh_trainable(self) -> None:
+        """Repartition the optimizers for the current ``requires_grad`` and re-plan.
+
+        Called automatically at forward when ``auto_refresh_trainable`` (the default).
+
+        Raises:
+            ValueError: a newly trainable param is in no optimizer.
+
+        .. warning:: Collective: call on every rank of ``process_group``.
+        """
+        with torch.profiler.record_function("oss_plus::sdp::refresh_trainable"):
+            if self._reducer is not None and self._reducer.pending and not self._accumulate:
+                logger.warning(
+                    "refresh_trainable() with gradients waiting to be reduced; for gradient "
+                    "accumulation use no_sync()"
+                )
+            for optimizer in self._optimizers:
+                optimizer.refresh_trainable()
+            self._replan()
+
+    @torch.no_grad()
+    def sync_buffers(self, blocking: bool = False) -> None:
+        """Broadcast the module's buffers from rank 0 of ``process_group``.
+
+        Args:
+            blocking: wait for the broadcasts (always done on non-NCCL backends).
+
+        .. warning:: Collective: call on every rank of ``process_group``.
+        """
+        self._broadcast(list(self.module.buffers()), blocking)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero (or drop, with ``set_to_none``) the gradients of the module's params."""
+        for param in self.module.parameters():
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_().zero_()
+
+    def __getattr__(self, name: str) -> Any:
+        """Fall through to the wrapped module for attributes the wrapper does not have."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    # ----------------------------------------------------------------- internals
+    def _broadcast(self, tensors: list[torch.Tensor], blocking: bool = True) -> None:
+        src = _dist.global_rank(self.process_group, 0)
+        with torch.no_grad():
+            works = [
+                dist.broadcast(t, src=src, group=self.process_group, async_op=True) for t in tensors
+            ]
+        if blocking or dist.get_backend(self.process_group) != dist.Backend.NCCL:
+            for work in works:
+                work.wait()
+
+    def _check_devices(self) -> None:
+        for (name, param), before in zip(self.module.named_parameters(), self._devices):
+            if param.device != before:
+                raise ValueError(
+                    _validate.MODULE_MOVED.format(name=name, before=before, after=param.device)
+                )
+
+    def _current_signature(self) -> list[tuple[Any, ...]]:
+        """Per module param: trainable, owner, dtype (what the plan depends on)."""
+        owners: dict[torch.Tensor, int] = {}
+        for optimizer in self._optimizers:
+            owners.update(optimizer.param_to_rank)
+        return [(p.requires_grad, owners.get(p, -1), p.dtype) for p in self.module.parameters()]
+
+    def _refresh_if_changed(self) -> None:
+        signature = self._current_signature()
+        if signature == self._signature:
+            return
+        trainable = [s[0] for s in signature]
+        if trainable != [s[0] for s in self._signature]:
+            if not self.auto_refresh_trainable:
+                self._replan(signature)  # the user refreshes the optimizer; route what we see
+                return
+            if self.warn_on_trainable_params_changed:
+                logger.warning(TRAINABLE_CHANGED)
+            self.refresh_trainable()
+        else:
+            logger.info("the optimizer's partition or the params' dtypes changed: re-planning")
+            self._replan(signature)
+
+    def _replan(self, signature: list[tuple[Any, ...]] | None = None) -> None:
+        """Rebuild the reduce plan and hooks from the optimizers' current partition."""
+        named = list(self.module.named_parameters())
+        owners = _validate.owners_of(self._optimizers, named)
+        trainable = [p for _, p in named if p.requires_grad]
+        specs = [GradSpec(p.numel(), owners[p], (p.dtype, p.device)) for p in trainable]
+        plan = plan_buckets(specs, self.reduce_buffer_size)
+        if self._reducer is not None:
+            self._reducer.remove()
+        self._reducer = GradReducer(trainable, plan, self.process_group, self._wire)
+        self._signature = signature if signature is not None else self._current_signature()
