@@ -146,3 +146,14 @@ def test_async_checkpoint_bench_measures_against_dcp(capsys):
         ours, dcp = (float(cell.strip().rstrip(" s")) for cell in line.split("|")[2:4])
         assert ours > 0 and dcp > 0
     assert "step while a save is in flight" in out
+
+
+def test_zero2_bench_shows_the_gradient_memory_zero2_saves(capsys):
+    """``bench --zero2``: ShardedDataParallel's ranks hold fewer gradient bytes than DDP's."""
+    argv = ["bench", "--zero2", "--width", "512", "--steps", "2"]
+    assert main([*argv, "--impls", "oss_plus_sdp,ddp_oss"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    grads = {(r[0], r[1]): float(r[3]) for r in rows if r and r[0] in ("oss_plus_sdp", "ddp_oss")}
+    assert len(grads) == 4
+    for rank in ("0", "1"):
+        assert 0 < grads[("oss_plus_sdp", rank)] < grads[("ddp_oss", rank)]

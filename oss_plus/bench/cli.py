@@ -71,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 #: The benchmarks other than the step bench: flag -> (module, its own argv from ours).
-_OTHERS = ("ddp", "checkpoint", "async_checkpoint")
+_OTHERS = ("ddp", "checkpoint", "async_checkpoint", "zero2")
 
 
 def _async_argv(args: argparse.Namespace) -> list[str]:
@@ -84,6 +84,13 @@ def _run(args: argparse.Namespace) -> int:
     if len(chosen) > 1:
         flags = " and ".join("--" + name.replace("_", "-") for name in chosen)
         raise ValueError(f"{flags} are different benchmarks: pick one")
+    if args.zero2:
+        from oss_plus.bench import zero2
+
+        argv = ["--world", str(args.world_size or 2)]
+        argv += ["--steps", str(args.steps)] if args.steps else []
+        argv += ["--width", str(args.width)] if args.width else []
+        return zero2.main(argv + (["--configs", args.impls] if args.impls else []))
     if args.async_checkpoint:
         from oss_plus.bench import async_ckpt
 
@@ -163,6 +170,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="time checkpoint save and load against fairscale, torch ZeRO and the disk floor "
         "instead (--size, --world-size, --rounds; --steps: saves per round; --impls from "
         "oss_plus.bench.checkpoint_bench.IMPLEMENTATIONS)",
+    )
+    add(
+        "--zero2",
+        action="store_true",
+        help="time ShardedDataParallel (ZeRO-2) + OSS against DDP + OSS and fairscale's "
+        "ShardedDDP: step time, peak gradient bytes and RSS per rank (--world-size, --steps, "
+        "--width; --impls from oss_plus.bench.zero2.CONFIGS)",
     )
     add(
         "--async-checkpoint",
