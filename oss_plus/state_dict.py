@@ -17,6 +17,7 @@ from oss_plus.state import (
     ParamState,
     copy_hyper,
     pack_param_groups,
+    per_element_keys,
     saved_state_by_flat_index,
     validate_state_dict,
 )
@@ -109,6 +110,6 @@ class ShardedStateDict:
             ValueError: the state dict does not fit the param groups (count, sizes, shapes).
         """
         shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
-        validate_state_dict(state_dict, shapes)
+        validate_state_dict(state_dict, shapes, per_element_keys(self.optim))
         states = saved_state_by_flat_index(state_dict)
         self.import_local_state(states, state_dict["param_groups"])  # type: ignore[attr-defined]

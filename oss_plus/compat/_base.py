@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from oss_plus._nested import map_tensors
 from oss_plus.optimizer import OSS
 from oss_plus.state import copy_hyper, local_state_dict
 
@@ -51,10 +52,7 @@ class CompatOSS(OSS):
         """
         state_dict = super().state_dict(all_ranks)
         state_dict["state"] = {
-            index: {
-                key: value.cpu() if isinstance(value, torch.Tensor) else value
-                for key, value in param_state.items()
-            }
+            index: {key: map_tensors(value, torch.Tensor.cpu) for key, value in param_state.items()}
             for index, param_state in state_dict["state"].items()
         }
         return state_dict
