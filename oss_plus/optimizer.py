@@ -75,11 +75,19 @@ class OSS(ShardedStateDict, Optimizer):
             local order, bucket layout, transport); how the adapters customise the core.
         **defaults: hyperparameters for ``optim`` (``lr=...``).
 
+    ``**defaults`` may hold keys that ``optim``'s constructor does not take but fixes itself
+    to the same value (``OSS(opt.param_groups, type(opt), **opt.defaults)`` with
+    ``torch.optim.AdamW``, whose ``defaults`` hold ``decoupled_weight_decay=True``); they are
+    not passed on. Any other unknown keyword raises TypeError.
+
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        TypeError: ``params`` holds a non-tensor, or ``optim`` is not an optimizer class.
-        ValueError: empty or sparse params, a param listed twice, or the ranks of ``group``
-            hold different models (raised on every rank).
+        TypeError: ``params`` holds a non-tensor, ``optim`` is not an optimizer class, or a
+            keyword ``optim`` does not take (raised on every rank).
+        ValueError: empty or sparse params, a param listed twice, an optimizer whose update
+            is not per parameter (``torch.optim.LBFGS``), or the ranks of ``group`` hold
+            different models (raised on every rank). Whatever the inner optimizer's
+            constructor raises on any rank is raised on every rank too.
 
     Example:
         >>> opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
@@ -106,16 +114,6 @@ class OSS(ShardedStateDict, Optimizer):
     ) -> None:
         self.group = _dist.resolve_group(group)
         self._initialized = False
-        error: Exception | None = None
-        try:
-            self._policy = _params.check_options(
-                optim, broadcast_dtype, shard_policy, partition_rule
-            )
-            super().__init__(_params.normalize_params(params), defaults)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        _params.check_same_model(None if error else self.param_groups, error, self.group)
-
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.global_rank = _dist.global_rank(self.group, self.rank)
@@ -123,10 +121,20 @@ class OSS(ShardedStateDict, Optimizer):
         self.broadcast_dtype = broadcast_dtype
         self.force_broadcast_object = force_broadcast_object
         self._optim_constructor = optim
-        self._optim_defaults = defaults
         self._pinned = False
-        self._plan = self._make_plan()
-        self.optim = self._build_local_optimizer({})
+        error: Exception | None = None
+        try:  # everything a rank may reject, agreed on by every rank below
+            self._policy = _params.check_options(
+                optim, broadcast_dtype, shard_policy, partition_rule
+            )
+            super().__init__(_params.normalize_params(params), defaults)
+            self._optim_defaults, fixed = _params.split_defaults(optim, defaults)
+            self._plan = self._make_plan()
+            self.optim = self._build_local_optimizer({})
+            _params.check_fixed_defaults(self.optim, fixed)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
+            error = exc
+        _params.check_same_model(None if error else self.param_groups, error, self.group)
         copy_hyper(self.optim.param_groups, self.param_groups)
         self._sync = self._build_sync()
         self._trainable = self._trainable_mask()
@@ -257,6 +265,7 @@ class OSS(ShardedStateDict, Optimizer):
         inner = self._optim_constructor(self._local_groups(), **self._optim_defaults)
         if not isinstance(inner, Optimizer):
             raise TypeError(f"optim built a {type(inner).__name__}, not a torch.optim.Optimizer")
+        _params.check_per_param(inner)
         place_states(inner, self.flat_params(), states)
         return inner
 
