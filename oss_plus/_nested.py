@@ -79,9 +79,11 @@ def _encode(value: Any, where: str, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, dict):
         pairs = []
         for k, v in value.items():
-            if isinstance(k, torch.Tensor) or isinstance(k, (list, dict)):
+            if isinstance(k, (torch.Tensor, list, dict)):
                 raise TypeError(NOT_STORABLE.format(where=f"{where} key", kind="key", value=k))
-            pairs.append([_encode(k, f"{where} key", tensors), _encode(v, f"{where}[{k!r}]", tensors)])
+            pairs.append(
+                [_encode(k, f"{where} key", tensors), _encode(v, f"{where}[{k!r}]", tensors)]
+            )
         return {"dict": pairs}
     try:
         return operator.index(value)  # int and integer-like scalars (numpy ints)
@@ -148,9 +150,7 @@ def flatten_state(
         ({'1': {'dict': [['step', 3], ['m', {'tensor': 0}]]}}, 1)
     """
     tensors: list[torch.Tensor] = []
-    structure = {
-        str(i): _encode(dict(states[i]), f"state[{i}]", tensors) for i in sorted(states)
-    }
+    structure = {str(i): _encode(dict(states[i]), f"state[{i}]", tensors) for i in sorted(states)}
     return structure, tensors
 
 

@@ -177,9 +177,7 @@ def exchange_states(
     sources = {i: tensors for i, (_, tensors) in mine.items()}
     for run in _runs(slots):
         _move_run(run, sources, arrived, rank, group, device, out_device)
-    return {
-        i: unflatten_value(skeletons[i], arrived[i], f"state[{i}]") for i in sorted(skeletons)
-    }
+    return {i: unflatten_value(skeletons[i], arrived[i], f"state[{i}]") for i in sorted(skeletons)}
 
 
 def _move_run(

@@ -288,7 +288,8 @@ def validate_state_dict(
     Raises:
         ValueError: missing keys, a different number of groups, a group with a different
             number of params, a state entry for an unknown index, or a per-element state
-            tensor whose shape is not its parameter's. The message names the group, index and shapes.
+            tensor whose shape is not its parameter's. The message names the group, index
+            and shapes.
     """
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__

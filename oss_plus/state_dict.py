@@ -9,7 +9,7 @@ consolidated copy of the state, which :meth:`drop_consolidated` forgets (``step(
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
@@ -43,10 +43,10 @@ class ShardedStateDict:
     param_groups: list[dict[str, Any]]
     optim: Any
     # provided by torch.optim.Optimizer (its state-dict hooks)
-    _optimizer_state_dict_pre_hooks: dict[int, Callable[[Any], None]]
-    _optimizer_state_dict_post_hooks: dict[int, Callable[[Any, Any], Any]]
-    _optimizer_load_state_dict_pre_hooks: dict[int, Callable[[Any, Any], Any]]
-    _optimizer_load_state_dict_post_hooks: dict[int, Callable[[Any], None]]
+    _optimizer_state_dict_pre_hooks: Any
+    _optimizer_state_dict_post_hooks: Any
+    _optimizer_load_state_dict_pre_hooks: Any
+    _optimizer_load_state_dict_post_hooks: Any
 
     @property
     def consolidated_state(self) -> Mapping[int, ParamState] | None:

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from oss_plus import OSS
+from oss_plus._dist import PEER_FAILED
 from oss_plus._params import (
     FIXED_KEYWORD,
     NOT_PER_PARAM,
     UNKNOWN_KEYWORD,
     split_defaults,
 )
-from oss_plus._dist import PEER_FAILED
 from oss_plus.compat.fairscale import OSS as FairscaleOSS
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
 
@@ -30,7 +30,8 @@ TORCH_OPTIMIZERS = sorted(
     (
         cls
         for cls in vars(torch.optim).values()
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
         and cls is not torch.optim.Optimizer
     ),
     key=lambda cls: cls.__name__,
@@ -129,8 +130,9 @@ def test_a_wrong_keyword_still_raises_on_every_rank(pool, kind):
         assert unknown[0] == "TypeError" and "unexpected keyword argument 'lrr'" in unknown[1]
         expected = UNKNOWN_KEYWORD.format(name="Adam", key="lrr", accepted="X").split(" (")[0]
         assert unknown[1].startswith(expected)
-        expected = FIXED_KEYWORD.format(name="AdamW", key="decoupled_weight_decay", fixed=True,
-                                        value=False)
+        expected = FIXED_KEYWORD.format(
+            name="AdamW", key="decoupled_weight_decay", fixed=True, value=False
+        )
         assert fixed == ("TypeError", expected)
         assert fine is None
 
@@ -171,7 +173,9 @@ def muon_task(ctx):
 def test_an_inner_constructor_error_on_one_rank_raises_on_every_rank(pool):
     errors = pool.run(muon_task, world_size=2)
     assert all(e is not None and e[0] == "ValueError" for e in errors)
-    own = [e for e in errors if "Muon only supports 2D parameters" in e[1] and "rank(s)" not in e[1]]
+    own = [
+        e for e in errors if "Muon only supports 2D parameters" in e[1] and "rank(s)" not in e[1]
+    ]
     peers = [e for e in errors if e[1].startswith(PEER_FAILED.split("{")[0])]
     assert len(own) == 1 and len(peers) == 1, errors
     assert "Muon only supports 2D parameters" in peers[0][1]

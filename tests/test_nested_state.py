@@ -45,7 +45,10 @@ class ShampooLike(torch.optim.Optimizer):
                 g = p.grad
                 state = self.state[p]
                 if not state:
-                    state["pre"] = {"mats": [torch.zeros_like(p), torch.zeros_like(p)], "k": (1, 2.5)}
+                    state["pre"] = {
+                        "mats": [torch.zeros_like(p), torch.zeros_like(p)],
+                        "k": (1, 2.5),
+                    }
                     state["count"] = 0
                     state["warm"] = False
                     state["none"] = None

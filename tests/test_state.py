@@ -68,9 +68,7 @@ def test_wrong_shape_names_index_key_and_shapes():
     with pytest.raises(
         ValueError, match=r"state\[1\]\['m'\] has shape \(4,\) but parameter 1 has shape \(3,\)"
     ):
-        validate_state_dict(
-            sd({1: {"m": torch.zeros(4)}}, [[0, 1], [2]]), SHAPES, frozenset({"m"})
-        )
+        validate_state_dict(sd({1: {"m": torch.zeros(4)}}, [[0, 1], [2]]), SHAPES, frozenset({"m"}))
 
 
 def test_unknown_state_id():
@@ -99,12 +97,15 @@ def test_per_element_state_of_another_shape_is_still_caught():
     """A torch optimizer's per-element state must have the param's exact shape."""
     moments = {0: {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(5)}}
     with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has shape \(3,\) but"):
-        validate_state_dict(sd(moments, [[0]]), [[torch.Size([5])]], per_element_keys(torch.optim.Adam))
+        validate_state_dict(
+            sd(moments, [[0]]), [[torch.Size([5])]], per_element_keys(torch.optim.Adam)
+        )
     transposed = {0: {"momentum_buffer": torch.zeros(3, 2)}}
     with pytest.raises(ValueError, match="different model"):
         validate_state_dict(
             sd(transposed, [[0]]), [[torch.Size([2, 3])]], per_element_keys(torch.optim.SGD)
         )
+
     class Custom(torch.optim.SGD):  # a subclass may give the key another meaning
         pass
 

@@ -20,9 +20,7 @@ from tests.dist_utils import backward, make_model
 KINDS = {
     "core": lambda params, group: OSS(params, optim=torch.optim.Adam, group=group, lr=0.1),
     "fairscale": lambda params, group: FairscaleOSS(params, torch.optim.Adam, group, lr=0.1),
-    "torch": lambda params, group: ZeroRedundancyOptimizer(
-        params, torch.optim.Adam, group, lr=0.1
-    ),
+    "torch": lambda params, group: ZeroRedundancyOptimizer(params, torch.optim.Adam, group, lr=0.1),
 }
 
 
@@ -113,7 +111,12 @@ def test_state_dict_hooks_run_as_in_torch(pool, kind):
     ):
         assert same_calls, calls
         assert [c[0] for c in calls] == [
-            "pre-prepended", "pre", "post", "replace", "load-pre", "load-post"
+            "pre-prepended",
+            "pre",
+            "post",
+            "replace",
+            "load-pre",
+            "load-post",
         ]
         assert same_sd and untouched and removed
         assert loaded_lr == (0.25, 0.25)
