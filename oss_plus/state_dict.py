@@ -62,8 +62,9 @@ class ShardedStateDict:
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Gather the full optimizer state on ``recipient_rank`` (-1: on every rank).
 
-        Tensors move by send/recv (or broadcast for -1); only shapes, dtypes and plain values
-        travel as objects. Other ranks keep no copy. The result is read by
+        Tensors (also those nested in lists, tuples and dicts) move by send/recv (or
+        broadcast for -1); their structure, shapes and dtypes travel as JSON, nothing is
+        pickled. Other ranks keep no copy. The result is read by
         :meth:`state_dict` and dropped at the next ``step()``.
 
         Raises:
