@@ -25,9 +25,9 @@ import torch
 
 pytest.importorskip("fairscale")
 
-from diff_utils import WORLD_IDS, WORLDS, batch, make_model  # noqa: E402
 from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP  # noqa: E402
 from fairscale.optim import OSS as FairscaleOSS  # noqa: E402
+from helpers import WORLD_IDS, WORLDS, batch, make_diff_model  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from oss_plus import ShardedDataParallel  # noqa: E402
@@ -49,13 +49,13 @@ def _train(ctx, net, opt, steps, accumulate, freeze_at):
         opt.zero_grad()
         for micro in range(accumulate):
             with net.no_sync():
-                net(batch(100 + micro, rank=ctx.rank)).pow(2).mean().backward()
-        net(batch(step, rank=ctx.rank)).pow(2).mean().backward()
+                net(batch(100 + micro, width=8, n=6, rank=ctx.rank)).pow(2).mean().backward()
+        net(batch(step, width=8, n=6, rank=ctx.rank)).pow(2).mean().backward()
         opt.step()
 
 
 def diff_task(ctx, ours_bucket, theirs_bucket, accumulate=0, freeze_at=None, steps=4):
-    model = make_model()
+    model = make_diff_model()
     theirs_model, ours_model = copy.deepcopy(model), copy.deepcopy(model)
     kwargs = {"optim": torch.optim.Adam, "group": ctx.group, "lr": 0.01}
     theirs_opt = FairscaleOSS(theirs_model.parameters(), **kwargs)
@@ -86,7 +86,7 @@ def test_matches_fairscale_with_reduce_buffer_size_0(pool, world, bucket, scenar
 
 def drift_task(ctx, bucket):
     """fairscale SDP and oss_plus SDP with the same bucket size, each against DDP + OSS."""
-    model = make_model()
+    model = make_diff_model()
     copies = [copy.deepcopy(model) for _ in range(3)]
     kwargs = {"optim": torch.optim.Adam, "group": ctx.group, "lr": 0.01}
     opts = [FairscaleOSS(copies[0].parameters(), **kwargs), OSS(copies[1].parameters(), **kwargs)]
@@ -109,11 +109,11 @@ def test_fairscale_default_buckets_drift_from_ddp_ours_do_not(pool):
 
 
 def offset_task(ctx):
-    model = make_model()
+    model = make_diff_model()
     theirs_model = copy.deepcopy(model)
     opt = FairscaleOSS(theirs_model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
     net = FairscaleSDP(theirs_model, opt, ctx.group, reduce_buffer_size=0)
-    net(batch(0, rank=ctx.rank)).pow(2).mean().backward()
+    net(batch(0, width=8, n=6, rank=ctx.rank)).pow(2).mean().backward()
     kept = sum(p.grad is not None for p in theirs_model.parameters())
     opt.step()
     return kept, torch.equal(_flat(theirs_model), _flat(model))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,27 @@ from oss_plus.partition import Rule
 from oss_plus.plan import ShardPolicy
 
 EMPTY_PARAMS = "oss_plus.OSS got an empty parameter list: pass model.parameters() or param groups"
+
+#: Optimizers whose update is not per parameter: one update direction over all their params
+#: (and state kept for the whole set), so sharding them changes the algorithm.
+NOT_PER_PARAM_CLASSES: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+#: Raised for an optimizer of :data:`NOT_PER_PARAM_CLASSES` (or a subclass).
+NOT_PER_PARAM = (
+    "{name} cannot be sharded: it computes one update over all its params together ({base} "
+    "keeps a single history for the whole set), so each rank stepping only its own params "
+    "would run a different algorithm. oss_plus shards per-parameter optimizers only (SGD, "
+    "Adam, AdamW, Adagrad, ...): use {name} without oss_plus, on every rank"
+)
+#: Raised for a keyword the optimizer's constructor does not take.
+UNKNOWN_KEYWORD = (
+    "{name} got an unexpected keyword argument {key!r} (it takes {accepted}): remove it or "
+    "fix its spelling"
+)
+#: Raised for a keyword the constructor does not take and fixes to another value.
+FIXED_KEYWORD = (
+    "{name} does not take the keyword argument {key!r}: it always uses {key}={fixed!r}, but "
+    "{value!r} was given. Drop the keyword, or use a class that takes it"
+)
 
 
 def check_optim_class(optim: Any) -> None:
@@ -34,6 +56,77 @@ def check_optim_class(optim: Any) -> None:
             )
     elif not callable(optim):
         raise TypeError(f"optim must be an optimizer class such as torch.optim.Adam, got {optim!r}")
+    if isinstance(optim, type):
+        check_per_param(optim)
+
+
+def check_per_param(optimizer: Any) -> None:
+    """Raise ValueError if ``optimizer`` (a class or an instance) is not per parameter."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for base in NOT_PER_PARAM_CLASSES:
+        if issubclass(cls, base):
+            raise ValueError(NOT_PER_PARAM.format(name=cls.__name__, base=base.__name__))
+
+
+def split_defaults(optim: Any, defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``defaults`` into the keywords ``optim``'s constructor takes and the others.
+
+    Everything is taken when the signature cannot be read or has ``**kwargs``.
+
+    Example:
+        >>> split_defaults(torch.optim.AdamW, {"lr": 0.1, "decoupled_weight_decay": True})
+        ({'lr': 0.1}, {'decoupled_weight_decay': True})
+    """
+    try:
+        parameters = inspect.signature(optim).parameters.values()
+    except (TypeError, ValueError):
+        return dict(defaults), {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(defaults), {}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = {p.name for p in parameters if p.kind in named}
+    taken = {k: v for k, v in defaults.items() if k in names}
+    return taken, {k: v for k, v in defaults.items() if k not in names}
+
+
+def check_fixed_defaults(inner: Optimizer, others: dict[str, Any]) -> None:
+    """Accept keywords the constructor did not take only if ``inner`` fixes them to the same
+    value (``torch.optim.AdamW``'s ``decoupled_weight_decay=True``); raise TypeError else.
+
+    ``others`` comes from :func:`split_defaults`; the value ``inner`` uses is read from its
+    ``defaults`` (what ``type(opt)(params, **opt.defaults)`` round trips pass back).
+    """
+    name = type(inner).__name__
+    for key, value in others.items():
+        if key not in inner.defaults:
+            accepted = sorted(k for k in inspect.signature(type(inner)).parameters if k != "params")
+            raise TypeError(UNKNOWN_KEYWORD.format(name=name, key=key, accepted=accepted))
+        fixed = inner.defaults[key]
+        if not _same_value(fixed, value):
+            raise TypeError(FIXED_KEYWORD.format(name=name, key=key, fixed=fixed, value=value))
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # e.g. tensors of several elements
+        return False
+
+
+def build_inner(
+    constructor: Callable[..., Optimizer], groups: list[dict[str, Any]], defaults: dict[str, Any]
+) -> Optimizer:
+    """Build the inner optimizer over one rank's groups and check what it built.
+
+    Raises:
+        TypeError: ``constructor`` did not return a ``torch.optim.Optimizer``.
+        ValueError: it is not a per-parameter optimizer (see :func:`check_per_param`).
+    """
+    inner = constructor(groups, **defaults)
+    if not isinstance(inner, Optimizer):
+        raise TypeError(f"optim built a {type(inner).__name__}, not a torch.optim.Optimizer")
+    check_per_param(inner)
+    return inner
 
 
 def check_options(

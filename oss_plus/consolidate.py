@@ -1,15 +1,16 @@
 """Collectives that move optimizer state between ranks, tensor by tensor.
 
 Used to consolidate the state on one rank or on all ranks, and to hand the state of a
-parameter to its new owner when the partition changes. Only small metadata (dtypes, shapes,
-plain values such as a step count) travels as a pickled object; tensors move with
-``send``/``recv`` (one recipient) or ``broadcast`` (all ranks), so a rank that receives
-nothing allocates nothing, and the recipient's extra memory is the state it receives plus one
-bounded packing buffer.
+parameter to its new owner when the partition changes. State may nest tensors inside
+lists, tuples and dicts (:mod:`oss_plus._nested`): its structure, dtypes and shapes travel
+as JSON text (nothing is pickled); tensors move with ``send``/``recv`` (one recipient) or
+``broadcast`` (all ranks), so a rank that receives nothing allocates nothing, and the
+recipient's extra memory is the state it receives plus one bounded packing buffer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import comm_device, global_rank, message_plan
+from oss_plus._dist import all_gather_bytes, comm_device, global_rank, message_plan, run_phase
+from oss_plus._nested import flatten_value, unflatten_value
 from oss_plus.state import ParamState
 
-__all__ = ["ALL_RANKS", "Transfer", "exchange_states"]
+__all__ = ["Transfer", "exchange_states", "ALL_RANKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +52,39 @@ class _TensorMeta:
     shape: tuple[int, ...]
 
 
-def _describe(state: ParamState) -> dict[str, Any]:
-    """Replace the tensors of ``state`` by their metadata (what travels as an object)."""
-    meta: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            meta[key] = _TensorMeta(value.dtype, tuple(value.shape))
-        elif isinstance(value, (list, tuple, dict)) and _holds_tensor(value):
-            raise NotImplementedError(
-                f"optimizer state key {key!r} holds tensors inside a {type(value).__name__}; "
-                "oss_plus moves per-param state made of tensors and plain values only"
-            )
-        else:
-            meta[key] = value
-    return meta
+#: One tensor to move: the transfer, its number in the state's flattening, its metadata.
+_Slot = tuple[Transfer, int, _TensorMeta]
 
 
-def _holds_tensor(value: Any) -> bool:
-    items = value.values() if isinstance(value, dict) else value
-    return any(
-        isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and _holds_tensor(v))
-        for v in items
-    )
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"state metadata names an unknown dtype {name!r}")
+    return dtype
+
+
+def _describe(flat: tuple[Any, list[torch.Tensor]]) -> dict[str, Any]:
+    """The JSON metadata of a flattened state: its skeleton, and dtype/shape per tensor."""
+    skeleton, tensors = flat
+    specs = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    return {"skeleton": skeleton, "tensors": specs}
+
+
+def _gather_metas(
+    my_meta: dict[int, dict[str, Any]], group: Any
+) -> list[dict[int, tuple[Any, list[_TensorMeta]]]]:
+    """All-gather every rank's metadata as JSON text; parse it back (ints keys, dtypes)."""
+    texts = all_gather_bytes(json.dumps({str(i): m for i, m in my_meta.items()}).encode(), group)
+    metas = []
+    for text in texts:
+        parsed = json.loads(text)
+        metas.append(
+            {
+                int(i): (m["skeleton"], [_TensorMeta(_dtype(d), tuple(s)) for d, s in m["tensors"]])
+                for i, m in parsed.items()
+            }
+        )
+    return metas
 
 
 def _to(value: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -98,6 +111,7 @@ def exchange_states(
     partition data); ranks take part only in the messages they send or receive, except for
     ``ALL_RANKS`` destinations, which are broadcasts. A transfer whose ``src`` equals this
     rank's ``dst`` is served locally (the caller's tensors are returned as they are).
+    Tensors nested in lists, tuples and dicts move like top-level ones.
 
     Args:
         local_states: state of the params this rank owns, by flat index.
@@ -108,53 +122,52 @@ def exchange_states(
     Returns:
         The states whose destination is this rank (or all ranks), by flat index.
 
+    Raises:
+        TypeError: a state value has no JSON form (e.g. an arbitrary object); raised on
+            every rank.
+
     .. warning:: Collective: call on every rank of ``group``.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    my_meta = {
-        t.index: _describe(local_states[t.index])
-        for t in transfers
-        if t.src == rank and t.index in local_states
-    }
-    metas: list[dict[int, dict[str, Any]] | None] = [None] * world
-    dist.all_gather_object(metas, my_meta, group=group)
+    rank = dist.get_rank(group)
+    sending = [t.index for t in transfers if t.src == rank and t.index in local_states]
+    mine = run_phase(
+        lambda: {i: flatten_value(local_states[i], f"state[{i}]") for i in sending}, group
+    )
+    metas = _gather_metas({i: _describe(flat) for i, flat in mine.items()}, group)
 
-    received: dict[int, ParamState] = {}
-    slots: list[tuple[Transfer, str, _TensorMeta]] = []
+    skeletons: dict[int, Any] = {}
+    arrived: dict[int, list[Any]] = {}
+    slots: list[_Slot] = []
     for t in sorted(transfers, key=lambda t: (t.src, t.dst, t.index)):
-        meta = (metas[t.src] or {}).get(t.index)
-        if meta is None:
+        if t.index not in metas[t.src]:
             continue
-        mine = t.dst in (rank, ALL_RANKS)
-        if mine:
-            received[t.index] = {k: v for k, v in meta.items() if not isinstance(v, _TensorMeta)}
-        for key, value in meta.items():
-            if isinstance(value, _TensorMeta):
-                if t.src == t.dst == rank:
-                    received[t.index][key] = _to(local_states[t.index][key], out_device)
-                elif t.src != t.dst:
-                    slots.append((t, key, value))
+        skeleton, tensor_metas = metas[t.src][t.index]
+        if t.dst in (rank, ALL_RANKS):
+            skeletons[t.index] = skeleton
+            arrived[t.index] = [None] * len(tensor_metas)
+        for n, meta in enumerate(tensor_metas):
+            if t.src == rank and t.dst in (rank, ALL_RANKS):  # served from local tensors
+                arrived[t.index][n] = _to(mine[t.index][1][n], out_device)
+            if t.src != t.dst:
+                slots.append((t, n, meta))
     device = comm_device(group)
+    sources = {i: tensors for i, (_, tensors) in mine.items()}
     sizes = [_numel(meta.shape) * meta.dtype.itemsize for _, _, meta in slots]
     kinds = [(t.src, t.dst, meta.dtype) for t, _, meta in slots]
     for message in message_plan(sizes, pack_bytes=PACK_BYTES, alone_bytes=ALONE_BYTES, kinds=kinds):
         run = [slots[i] for i, _, _ in message]
-        _move_run(run, local_states, received, rank, group, device, out_device)
-    for (t, key, empty), size in zip(slots, sizes):  # empty tensors travel in no message
-        if size == 0 and t.index in received:
-            own = t.src == rank
-            received[t.index][key] = (
-                _to(local_states[t.index][key], out_device)
-                if own
-                else torch.empty(empty.shape, dtype=empty.dtype, device=out_device or device)
-            )
-    return received
+        _move_run(run, sources, arrived, rank, group, device, out_device)
+    for (t, n, meta), size in zip(slots, sizes):  # empty tensors travel in no message
+        if size == 0 and t.index in arrived and t.src != rank:
+            empty = torch.empty(meta.shape, dtype=meta.dtype, device=out_device or device)
+            arrived[t.index][n] = empty
+    return {i: unflatten_value(skeletons[i], arrived[i], f"state[{i}]") for i in sorted(skeletons)}
 
 
 def _move_run(
-    run: list[tuple[Transfer, str, _TensorMeta]],
-    local_states: Mapping[int, ParamState],
-    received: dict[int, ParamState],
+    run: list[_Slot],
+    sources: Mapping[int, list[torch.Tensor]],
+    arrived: dict[int, list[Any]],
     rank: int,
     group: Any,
     device: torch.device,
@@ -167,7 +180,7 @@ def _move_run(
     dtype = run[0][2].dtype
     numels = [_numel(meta.shape) for _, _, meta in run]
     if rank == head.src:
-        parts = [local_states[t.index][key].detach().reshape(-1) for t, key, _ in run]
+        parts = [sources[t.index][n].detach().reshape(-1) for t, n, _ in run]
         buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
         buffer = buffer.to(device).contiguous()
     else:
@@ -182,14 +195,12 @@ def _move_run(
             dist.recv(buffer, src=src, group=group)
     if rank != head.dst and head.dst != ALL_RANKS:
         return
-    if rank == head.src:  # a broadcast source keeps its own tensors
-        for t, key, _ in run:
-            received[t.index][key] = _to(local_states[t.index][key], out_device)
+    if rank == head.src:  # a broadcast source keeps its own tensors (set when planning)
         return
     pieces = buffer.split(numels) if len(run) > 1 else [buffer]
-    for (t, key, meta), piece in zip(run, pieces):
+    for (t, n, meta), piece in zip(run, pieces):
         value = piece.view(meta.shape)
         moved = value.to(out_device) if out_device is not None else value
         if len(run) > 1 and moved.device == buffer.device:
             moved = moved.clone()  # do not keep the whole packing buffer alive
-        received[t.index][key] = moved
+        arrived[t.index][n] = moved

@@ -67,13 +67,18 @@ class OSS(ShardedStateDict, Optimizer):
         collective_state_dict: keyword-only, a plain attribute: :meth:`state_dict` without a
             prior consolidation here is collective (frameworks calling it on every rank;
             ``docs/integrations.md``).
-        **defaults: hyperparameters for ``optim`` (``lr=...``).
+        **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
+            but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
+            **opt.defaults)`` with AdamW); any other unknown keyword raises TypeError.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        TypeError: ``params`` holds a non-tensor, or ``optim`` is not an optimizer class.
-        ValueError: empty or sparse params, a param listed twice, or the ranks of ``group``
-            hold different models (raised on every rank).
+        TypeError: ``params`` holds a non-tensor, ``optim`` is not an optimizer class, or a
+            keyword ``optim`` does not take (raised on every rank).
+        ValueError: empty or sparse params, a param listed twice, an optimizer whose update
+            is not per parameter (``torch.optim.LBFGS``), or the ranks of ``group`` hold
+            different models (raised on every rank). Whatever the inner optimizer's
+            constructor raises on any rank is raised on every rank too.
 
     Example:
         >>> opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
@@ -102,16 +107,6 @@ class OSS(ShardedStateDict, Optimizer):
         self.group = _dist.resolve_group(group)
         self.collective_state_dict = collective_state_dict
         self._initialized = False
-        error: Exception | None = None
-        try:
-            self._policy = _params.check_options(
-                optim, broadcast_dtype, shard_policy, partition_rule
-            )
-            super().__init__(_params.normalize_params(params), defaults)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        _params.check_same_model(None if error else self.param_groups, error, self.group)
-
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.global_rank = _dist.global_rank(self.group, self.rank)
@@ -119,16 +114,25 @@ class OSS(ShardedStateDict, Optimizer):
         self.broadcast_dtype = broadcast_dtype
         self.force_broadcast_object = force_broadcast_object
         self._optim_constructor = optim
-        self._optim_defaults = defaults
         self._pinned = False
-        self._plan = self._make_plan()
-        self.optim = self._build_local_optimizer({})
+        error: Exception | None = None
+        try:  # everything a rank may reject, agreed on by every rank below
+            self._policy = _params.check_options(
+                optim, broadcast_dtype, shard_policy, partition_rule
+            )
+            super().__init__(_params.normalize_params(params), defaults)
+            self._optim_defaults, fixed = _params.split_defaults(optim, defaults)
+            self._plan = self._make_plan()
+            self.optim = self._build_local_optimizer({})
+            _params.check_fixed_defaults(self.optim, fixed)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
+            error = exc
+        _params.check_same_model(None if error else self.param_groups, error, self.group)
         copy_hyper(self.optim.param_groups, self.param_groups)
         self._sync = self._build_sync()
         self._trainable = self._trainable_mask()
         self._initialized = True
 
-    # ----------------------------------------------------------------- the extension contract
     @property
     def plan(self) -> ShardPlan:
         """The current shard plan (a frozen value; a new object after every repartition)."""
@@ -222,7 +226,6 @@ class OSS(ShardedStateDict, Optimizer):
         self._trainable = self._trainable_mask()
         self.drop_consolidated()
 
-    # ----------------------------------------------------------------- construction helpers
     def _specs(self) -> list[list[ParamSpec]]:
         return [
             [ParamSpec(p.numel(), p.requires_grad) for p in g["params"]] for g in self.param_groups
@@ -249,9 +252,9 @@ class OSS(ShardedStateDict, Optimizer):
 
     def _build_local_optimizer(self, states: dict[int, ParamState]) -> Optimizer:
         """Create the inner optimizer over this rank's shard and give it ``states``."""
-        inner = self._optim_constructor(self._local_groups(), **self._optim_defaults)
-        if not isinstance(inner, Optimizer):
-            raise TypeError(f"optim built a {type(inner).__name__}, not a torch.optim.Optimizer")
+        inner = _params.build_inner(
+            self._optim_constructor, self._local_groups(), self._optim_defaults
+        )
         place_states(inner, self.flat_params(), states)
         return inner
 
@@ -261,7 +264,6 @@ class OSS(ShardedStateDict, Optimizer):
     def _trainable_mask(self) -> list[bool]:
         return [p.requires_grad for p in self.flat_params()]
 
-    # ----------------------------------------------------------------- partition accessors
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
 
@@ -280,7 +282,6 @@ class OSS(ShardedStateDict, Optimizer):
         """The dtype parameters travel as at the next step (None: their own)."""
         return torch.float16 if self.broadcast_fp16 else self.broadcast_dtype
 
-    # ----------------------------------------------------------------- clipping
     def clip_grad_norm(
         self,
         max_norm: float,
@@ -334,7 +335,6 @@ class OSS(ShardedStateDict, Optimizer):
             error_if_nonfinite=error_if_nonfinite,
         )
 
-    # ----------------------------------------------------------------- stepping
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.
 

@@ -12,10 +12,13 @@ Vocabulary:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from oss_plus._nested import map_tensors
 
 __all__ = [
     "NOT_HYPER",
@@ -26,6 +29,8 @@ __all__ = [
     "local_state_dict",
     "local_view",
     "pack_param_groups",
+    "per_element_keys",
+    "PER_ELEMENT_KEYS",
     "place_states",
     "validate_state_dict",
     "state_shape_error",
@@ -122,7 +127,7 @@ def local_state_dict(
         for offset, index in enumerate(members):
             if index in states:
                 state[position + offset] = {
-                    k: v.clone() if copy_tensors and isinstance(v, torch.Tensor) else v
+                    k: map_tensors(v, torch.Tensor.clone) if copy_tensors else v
                     for k, v in states[index].items()
                 }
         position += len(members)
@@ -134,20 +139,21 @@ def place_states(
 ) -> None:
     """Give the optimizer ``inner`` the ``states`` of its params (flat index -> state).
 
-    Tensors move to the param's device, except 0-dim ones (a ``step`` count), which stay on
-    CPU unless the param's group is ``fused`` or ``capturable`` (torch's own policy).
+    Tensors (also those nested in lists, tuples and dicts) move to the param's device,
+    except 0-dim ones (a ``step`` count), which stay on CPU unless the param's group is
+    ``fused`` or ``capturable`` (torch's own policy).
     """
     group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
     for index, state in states.items():
         param = params[index]
         group = group_of[id(param)]
-        on_device = group.get("fused") or group.get("capturable")
-        inner.state[param] = {
-            k: v.to(param.device if v.dim() > 0 or on_device else "cpu")
-            if isinstance(v, torch.Tensor)
-            else v
-            for k, v in state.items()
-        }
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        place = functools.partial(_place, device=param.device, scalars_on_device=on_device)
+        inner.state[param] = {k: map_tensors(v, place) for k, v in state.items()}
+
+
+def _place(value: torch.Tensor, device: torch.device, scalars_on_device: bool) -> torch.Tensor:
+    return value.to(device if value.dim() > 0 or scalars_on_device else "cpu")
 
 
 def group_offsets(group_sizes: Sequence[int]) -> list[int]:
@@ -199,16 +205,65 @@ def pack_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[st
     return packed
 
 
-def state_shape_error(index: int, key: str, value: torch.Tensor, shape: torch.Size) -> str | None:
+#: State keys that hold one value per element of the param (the param's exact shape), for
+#: the ``torch.optim`` classes (exact classes only: a subclass may give a key another
+#: meaning). Other state, and the state of any other optimizer, may have any shape (a
+#: ``(3,)`` histogram on a bias, factored or low-rank statistics) and is not checked.
+PER_ELEMENT_KEYS: dict[type[torch.optim.Optimizer], frozenset[str]] = {
+    cls: frozenset(keys)
+    for cls, keys in (
+        (torch.optim.Adadelta, ("square_avg", "acc_delta")),
+        (torch.optim.Adafactor, ("variance",)),
+        (torch.optim.Adagrad, ("sum",)),
+        (torch.optim.Adam, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+        (torch.optim.AdamW, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+        (torch.optim.Adamax, ("exp_avg", "exp_inf")),
+        (torch.optim.ASGD, ("ax",)),
+        (torch.optim.NAdam, ("exp_avg", "exp_avg_sq")),
+        (torch.optim.RAdam, ("exp_avg", "exp_avg_sq")),
+        (torch.optim.RMSprop, ("square_avg", "momentum_buffer", "grad_avg")),
+        (torch.optim.Rprop, ("prev", "step_size")),
+        (torch.optim.SGD, ("momentum_buffer",)),
+        (torch.optim.SparseAdam, ("exp_avg", "exp_avg_sq")),
+    )
+}
+if hasattr(torch.optim, "Muon"):
+    PER_ELEMENT_KEYS[torch.optim.Muon] = frozenset({"momentum_buffer"})
+
+
+def per_element_keys(optimizer: Any) -> frozenset[str]:
+    """Return the per-element state keys of ``optimizer`` (a class or an instance).
+
+    Example:
+        >>> sorted(per_element_keys(torch.optim.SGD))
+        ['momentum_buffer']
+        >>> per_element_keys(object())
+        frozenset()
+    """
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return PER_ELEMENT_KEYS.get(cls, frozenset())
+
+
+def state_shape_error(
+    index: int,
+    key: str,
+    value: torch.Tensor,
+    shape: torch.Size,
+    per_element: frozenset[str] | set[str] = frozenset(),
+) -> str | None:
     """Return an error message if a state tensor cannot belong to a param of ``shape``.
 
-    Per-element state (momentum, Adam moments) has the param's shape. Factored state (e.g.
-    Adafactor's row/column statistics) has the same number of dimensions with some of them
-    reduced to 1, and scalar state (a step count) has no dimensions; both are accepted.
+    Only a key of ``per_element`` (from :func:`per_element_keys`) is checked: it must have
+    the param's exact shape. Any other state may legally have any shape (a fixed-size
+    histogram, factored or low-rank statistics, a step count), so it is accepted.
+
+    Example:
+        >>> state_shape_error(0, "hist", torch.zeros(3), torch.Size([5])) is None
+        True
+        >>> state_shape_error(0, "exp_avg", torch.zeros(3), torch.Size([5]), {"exp_avg"})[:32]
+        "state[0]['exp_avg'] has shape (3"
     """
-    if value.dim() == 0 or value.dim() != len(shape):
-        return None
-    if all(v == s or v == 1 for v, s in zip(value.shape, shape)):
+    if key not in per_element or tuple(value.shape) == tuple(shape):
         return None
     return (
         f"state[{index}][{key!r}] has shape {tuple(value.shape)} but parameter {index} "
@@ -217,7 +272,9 @@ def state_shape_error(index: int, key: str, value: torch.Tensor, shape: torch.Si
 
 
 def validate_state_dict(
-    state_dict: Mapping[str, Any], param_shapes: Sequence[Sequence[torch.Size]]
+    state_dict: Mapping[str, Any],
+    param_shapes: Sequence[Sequence[torch.Size]],
+    per_element: frozenset[str] = frozenset(),
 ) -> None:
     """Check that ``state_dict`` fits parameters grouped as ``param_shapes``.
 
@@ -225,11 +282,14 @@ def validate_state_dict(
         state_dict: a plain ``torch.optim`` state dict (from torch, fairscale OSS, torch ZeRO
             or oss_plus).
         param_shapes: per group, the shape of each parameter.
+        per_element: state keys that must have their param's shape
+            (:func:`per_element_keys` of the optimizer that will hold the state).
 
     Raises:
         ValueError: missing keys, a different number of groups, a group with a different
-            number of params, a state entry for an unknown index, or a state tensor whose
-            shape does not fit its parameter. The message names the group, index and shapes.
+            number of params, a state entry for an unknown index, or a per-element state
+            tensor whose shape is not its parameter's. The message names the group, index
+            and shapes.
     """
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
@@ -257,7 +317,7 @@ def validate_state_dict(
         flat = id_to_flat[saved_id]
         for key, value in param_state.items():
             if isinstance(value, torch.Tensor):
-                message = state_shape_error(flat, key, value, flat_shapes[flat])
+                message = state_shape_error(flat, key, value, flat_shapes[flat], per_element)
                 if message:
                     raise ValueError(message)
 

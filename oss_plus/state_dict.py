@@ -18,6 +18,7 @@ from oss_plus.state import (
     ParamState,
     copy_hyper,
     pack_param_groups,
+    per_element_keys,
     saved_state_by_flat_index,
     validate_state_dict,
 )
@@ -42,6 +43,11 @@ class ShardedStateDict:
     world_size: int
     param_groups: list[dict[str, Any]]
     optim: Any
+    # provided by torch.optim.Optimizer (its state-dict hooks)
+    _optimizer_state_dict_pre_hooks: Any
+    _optimizer_state_dict_post_hooks: Any
+    _optimizer_load_state_dict_pre_hooks: Any
+    _optimizer_load_state_dict_post_hooks: Any
 
     @property
     def consolidated_state(self) -> Mapping[int, ParamState] | None:
@@ -57,8 +63,9 @@ class ShardedStateDict:
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Gather the full optimizer state on ``recipient_rank`` (-1: on every rank).
 
-        Tensors move by send/recv (or broadcast for -1); only shapes, dtypes and plain values
-        travel as objects. Other ranks keep no copy. The result is read by
+        Tensors (also those nested in lists, tuples and dicts) move by send/recv (or
+        broadcast for -1); their structure, shapes and dtypes travel as JSON, nothing is
+        pickled. Other ranks keep no copy. The result is read by
         :meth:`state_dict` and dropped at the next ``step()``.
 
         Raises:
@@ -82,10 +89,13 @@ class ShardedStateDict:
             self._consolidated_copy = received
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
-        """Return the full state in the plain ``torch.optim`` format.
+        """Return the full state in the plain ``torch.optim`` format, every tensor on CPU.
 
         Keys of ``state`` are flat indices over the global param groups, so the dict loads
-        into a plain torch optimizer or into OSS at any world size.
+        into a plain torch optimizer or into OSS at any world size. The hooks registered
+        with ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as in
+        ``torch.optim.Optimizer.state_dict`` (pre hooks first, even before the
+        consolidation of ``all_ranks``; a post hook may return a new dict).
 
         With ``collective_state_dict=True`` and nothing consolidated on this rank since the
         last step, the call is collective (as with ``all_ranks=True``): every rank of the
@@ -105,6 +115,8 @@ class ShardedStateDict:
         .. warning:: Collective: call on every rank of ``group`` when ``all_ranks`` is True,
             or ``collective_state_dict`` is True and nothing was consolidated here.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         collective = getattr(self, "collective_state_dict", False)
         if collective and self._consolidated_copy is None and not all_ranks:
             _arrival.check_arrival(self.group, "state_dict()")
@@ -114,18 +126,33 @@ class ShardedStateDict:
         if self._consolidated_copy is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
-        return {"state": state, "param_groups": pack_param_groups(self.param_groups)}
+        state_dict = {"state": state, "param_groups": pack_param_groups(self.param_groups)}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (oss_plus, fairscale OSS, torch ZeRO or plain torch).
 
         Each rank keeps the state of the params it owns. ``state_dict`` is not modified and
-        no tensor of it is aliased by the optimizer. Not collective.
+        no tensor of it is aliased by the optimizer. Hooks registered with
+        ``register_load_state_dict_pre_hook`` (which get a shallow copy and may return a new
+        dict) and ``register_load_state_dict_post_hook`` run as in
+        ``torch.optim.Optimizer.load_state_dict``. Not collective.
 
         Raises:
             ValueError: the state dict does not fit the param groups (count, sizes, shapes).
         """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
-        validate_state_dict(state_dict, shapes)
+        validate_state_dict(state_dict, shapes, per_element_keys(self.optim))
         states = saved_state_by_flat_index(state_dict)
         self.import_local_state(states, state_dict["param_groups"])  # type: ignore[attr-defined]
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -8,7 +8,7 @@ bucket vs ours), so gradients are checked against the bound any two summation or
 
 import pytest
 import torch
-from dist_utils import WORLD_IDS, WORLDS
+from helpers import WORLD_IDS, WORLDS
 from sdp_utils import BUCKETS, abs_sum, batch, flat, grads_match, max_diff, pair, same_everywhere
 
 EXACT = {"ws1", "ws2", "offset23"}

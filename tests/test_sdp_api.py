@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import catch
+from helpers import catch
 from sdp_utils import Net, batch, pair
 
 from oss_plus import OSS, ShardedDataParallel

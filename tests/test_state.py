@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from oss_plus.state import (
+    PER_ELEMENT_KEYS,
     group_offsets,
     local_view,
     pack_param_groups,
+    per_element_keys,
     saved_state_by_flat_index,
     state_shape_error,
     validate_state_dict,
@@ -66,7 +68,7 @@ def test_wrong_shape_names_index_key_and_shapes():
     with pytest.raises(
         ValueError, match=r"state\[1\]\['m'\] has shape \(4,\) but parameter 1 has shape \(3,\)"
     ):
-        validate_state_dict(sd({1: {"m": torch.zeros(4)}}, [[0, 1], [2]]), SHAPES)
+        validate_state_dict(sd({1: {"m": torch.zeros(4)}}, [[0, 1], [2]]), SHAPES, frozenset({"m"}))
 
 
 def test_unknown_state_id():
@@ -82,6 +84,60 @@ def test_not_a_state_dict():
 def test_factored_state_is_accepted():
     assert state_shape_error(0, "row", torch.zeros(2, 1), torch.Size([2, 3])) is None
     assert state_shape_error(0, "step", torch.zeros(()), torch.Size([2, 3])) is None
+
+
+def test_fixed_size_state_with_the_params_ndim_is_accepted():
+    """A (3,) histogram on a bias of shape (5,) is legal state (issue 13, item 4)."""
+    hist = {0: {"hist": torch.zeros(3), "step": torch.tensor(1.0)}}
+    validate_state_dict(sd(hist, [[0]]), [[torch.Size([5])]])
+    validate_state_dict(sd(hist, [[0]]), [[torch.Size([5])]], per_element_keys(torch.optim.Adam))
+
+
+def test_per_element_state_of_another_shape_is_still_caught():
+    """A torch optimizer's per-element state must have the param's exact shape."""
+    moments = {0: {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(5)}}
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has shape \(3,\) but"):
+        validate_state_dict(
+            sd(moments, [[0]]), [[torch.Size([5])]], per_element_keys(torch.optim.Adam)
+        )
+    transposed = {0: {"momentum_buffer": torch.zeros(3, 2)}}
+    with pytest.raises(ValueError, match="different model"):
+        validate_state_dict(
+            sd(transposed, [[0]]), [[torch.Size([2, 3])]], per_element_keys(torch.optim.SGD)
+        )
+
+    class Custom(torch.optim.SGD):  # a subclass may give the key another meaning
+        pass
+
+    assert per_element_keys(Custom) == frozenset()
+
+
+#: Options under which each torch optimizer creates every state key it has.
+FULL_OPTIONS = {
+    torch.optim.Adam: {"amsgrad": True},
+    torch.optim.AdamW: {"amsgrad": True},
+    torch.optim.RMSprop: {"momentum": 0.9, "centered": True},
+    torch.optim.SGD: {"momentum": 0.9},
+}
+
+
+@pytest.mark.parametrize("cls", sorted(PER_ELEMENT_KEYS, key=lambda c: c.__name__))
+@pytest.mark.parametrize("shape", [(3, 4), (5,)])
+def test_per_element_keys_are_exactly_the_state_torch_keeps_per_element(cls, shape):
+    """Run the real optimizer: every tensor of the param's shape is listed, and only those."""
+    if cls.__name__ == "Muon" and len(shape) != 2:
+        pytest.skip("Muon steps 2-D params only")
+    param = torch.nn.Parameter(torch.randn(shape))
+    opt = cls([param], **FULL_OPTIONS.get(cls, {}))
+    for _ in range(2):
+        grad = torch.randn(shape)
+        param.grad = grad.to_sparse() if cls is torch.optim.SparseAdam else grad
+        opt.step()
+    state = opt.state[param]
+    same_shape = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shape}
+    assert same_shape == per_element_keys(cls) & set(state)
+    if len(shape) == 1 or cls is not torch.optim.Adafactor:  # Adafactor: factored on matrices
+        assert per_element_keys(cls) <= set(state)
 
 
 def test_saved_ids_map_by_position_and_input_is_untouched():

@@ -3,15 +3,12 @@
 * :meth:`CompatOSS._rank_state_dicts` derives, from the core's consolidated state (by flat
   index), the per-rank *local* state dicts the anchors keep after consolidation
   (fairscale's ``_all_states``, torch's ``_all_state_dicts``), without a second exchange.
-* :meth:`CompatOSS.state_dict` returns every state tensor on CPU, as both anchors do.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
-
-import torch
 
 from oss_plus.optimizer import OSS
 from oss_plus.state import copy_hyper, local_state_dict
@@ -39,25 +36,6 @@ class CompatOSS(OSS):
             )
             for rank in range(self.world_size)
         ]
-
-    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
-        """Return the full state in the plain ``torch.optim`` format, every tensor on CPU.
-
-        Args:
-            all_ranks: consolidate on every rank first (collective).
-
-        Raises:
-            RuntimeError: nothing was consolidated on this rank.
-        """
-        state_dict = super().state_dict(all_ranks)
-        state_dict["state"] = {
-            index: {
-                key: value.cpu() if isinstance(value, torch.Tensor) else value
-                for key, value in param_state.items()
-            }
-            for index, param_state in state_dict["state"].items()
-        }
-        return state_dict
 
     @staticmethod
     def _sync_param_groups(source: list[dict[Any, Any]], destination: list[dict[Any, Any]]) -> None:

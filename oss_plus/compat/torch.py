@@ -362,7 +362,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on rank ``to`` of ``process_group``.
 
-        Tensors travel by send/recv; nothing is pickled but metadata. -1 means every rank.
+        Tensors travel by send/recv, metadata as JSON (nothing is pickled). -1: every rank.
 
         Raises:
             ValueError: ``to`` is not -1 or a rank of the group.

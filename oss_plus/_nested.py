@@ -1,0 +1,227 @@
+"""Nested optimizer state <-> (tensors, JSON structure): pure functions, no I/O, no pickle.
+
+A ``torch.optim`` state value may be a tensor, a plain value (None, bool, int, float, str)
+or a list / tuple / dict of those, nested (Shampoo-style optimizers keep a list of
+preconditioner tensors per parameter). :func:`flatten_value` splits such a value into the
+tensors it holds, in a fixed depth-first order, and a *skeleton*: JSON data in which the
+``n``-th tensor is ``{"tensor": n}``. :func:`unflatten_value` puts them back together.
+Tensors can then travel as tensors (collectives, safetensors) and the skeleton as JSON text.
+
+The skeleton uses the type tags of the checkpoint format (``docs/checkpoints.md``), so
+JSON's blind spots do not lose information: a tuple is ``{"tuple": [...]}``, a dict is
+``{"dict": [[key, value], ...]}`` (keys of any JSON-able type), a float is
+``{"float": 0.9}`` (``"inf"``, ``"-inf"``, ``"nan"`` as strings); None, bools, ints, strings
+and lists are themselves. Floats and ints survive exactly (``json`` writes ``repr``).
+
+Example:
+    >>> skeleton, tensors = flatten_value({"pre": [torch.ones(2)], "k": (1, None)})
+    >>> skeleton
+    {'dict': [['pre', [{'tensor': 0}]], ['k', {'tuple': [1, None]}]]}
+    >>> unflatten_value(skeleton, tensors)
+    {'pre': [tensor([1., 1.])], 'k': (1, None)}
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TENSOR_TAG",
+    "flatten_state",
+    "flatten_value",
+    "map_tensors",
+    "tensor_paths",
+    "unflatten_state",
+    "unflatten_value",
+]
+
+#: Tag of a tensor placeholder in a skeleton: ``{"tensor": n}`` is the ``n``-th tensor.
+TENSOR_TAG = "tensor"
+
+#: Raised for a value that has no JSON form.
+NOT_STORABLE = (
+    "optimizer state {where} is a {kind} ({value!r}); oss_plus moves and saves tensors, None, "
+    "bool, int, float, str and lists/tuples/dicts of them: convert it to one of those"
+)
+
+
+def flatten_value(value: Any, where: str = "value") -> tuple[Any, list[torch.Tensor]]:
+    """Split ``value`` into a JSON-able skeleton and the tensors it holds (depth first).
+
+    Tensors are returned as they are (not copied). A tensor at top level gives
+    ``({"tensor": 0}, [value])``.
+
+    Raises:
+        TypeError: something inside ``value`` is neither a tensor, a plain value nor a
+            list/tuple/dict; the message names where (``where`` is the prefix).
+    """
+    tensors: list[torch.Tensor] = []
+    return _encode(value, where, tensors), tensors
+
+
+def _encode(value: Any, where: str, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return {TENSOR_TAG: len(tensors) - 1}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, float):
+        return {"float": value if math.isfinite(value) else repr(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"tuple": items}
+    if isinstance(value, dict):
+        pairs = []
+        for k, v in value.items():
+            if isinstance(k, (torch.Tensor, list, dict)):
+                raise TypeError(NOT_STORABLE.format(where=f"{where} key", kind="key", value=k))
+            pairs.append(
+                [_encode(k, f"{where} key", tensors), _encode(v, f"{where}[{k!r}]", tensors)]
+            )
+        return {"dict": pairs}
+    try:
+        return operator.index(value)  # int and integer-like scalars (numpy ints)
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real):  # float-like scalars (numpy floats)
+        return _encode(float(value), where, tensors)
+    raise TypeError(NOT_STORABLE.format(where=where, kind=type(value).__name__, value=value))
+
+
+def unflatten_value(skeleton: Any, tensors: Sequence[torch.Tensor], where: str = "value") -> Any:
+    """Rebuild the value :func:`flatten_value` split (tensors are used as they are).
+
+    Raises:
+        ValueError: ``skeleton`` is not valid skeleton data, or names a tensor that
+            ``tensors`` lacks; the message names where.
+    """
+    if skeleton is None or isinstance(skeleton, (bool, int, str)):
+        return skeleton
+    if isinstance(skeleton, float):  # lenient: an untagged JSON float
+        return skeleton
+    if isinstance(skeleton, list):
+        return [unflatten_value(v, tensors, f"{where}[{i}]") for i, v in enumerate(skeleton)]
+    if not isinstance(skeleton, dict) or len(skeleton) != 1:
+        raise ValueError(f"{where}: expected a tagged value, got {skeleton!r}")
+    ((tag, body),) = skeleton.items()
+    if tag == TENSOR_TAG and isinstance(body, int) and not isinstance(body, bool):
+        if not 0 <= body < len(tensors):
+            raise ValueError(f"{where}: tensor {body} is missing (got {len(tensors)} tensors)")
+        return tensors[body]
+    if tag == "float" and isinstance(body, (int, float)) and not isinstance(body, bool):
+        return float(body)
+    if tag == "float" and body in ("inf", "-inf", "nan"):
+        return float(body)
+    if tag == "tuple" and isinstance(body, list):
+        return tuple(unflatten_value(v, tensors, f"{where}[{i}]") for i, v in enumerate(body))
+    if tag == "dict" and isinstance(body, list) and all(_is_pair(kv) for kv in body):
+        try:
+            return {
+                unflatten_value(k, tensors, where): unflatten_value(v, tensors, f"{where}[{k!r}]")
+                for k, v in body
+            }
+        except TypeError:
+            raise ValueError(f"{where}: a dict key is not hashable") from None
+    raise ValueError(f"{where}: unknown or malformed tag {tag!r} in {skeleton!r}")
+
+
+def _is_pair(item: Any) -> bool:
+    return isinstance(item, list) and len(item) == 2
+
+
+def flatten_state(
+    states: Mapping[int, Mapping[Any, Any]],
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Split per-param state (flat index -> state) into one JSON structure and its tensors.
+
+    The structure maps ``str(index)`` to the skeleton of that param's state dict; tensor
+    numbers run over all params in ascending index order. The checkpoint writer stores the
+    tensors in safetensors (names from :func:`tensor_paths`) and the structure in JSON.
+
+    Example:
+        >>> structure, tensors = flatten_state({1: {"step": 3, "m": torch.zeros(2)}})
+        >>> structure, len(tensors)
+        ({'1': {'dict': [['step', 3], ['m', {'tensor': 0}]]}}, 1)
+    """
+    tensors: list[torch.Tensor] = []
+    structure = {str(i): _encode(dict(states[i]), f"state[{i}]", tensors) for i in sorted(states)}
+    return structure, tensors
+
+
+def unflatten_state(
+    structure: Mapping[str, Any], tensors: Sequence[torch.Tensor]
+) -> dict[int, dict[Any, Any]]:
+    """Rebuild what :func:`flatten_state` split (flat index -> state).
+
+    Raises:
+        ValueError: a key of ``structure`` is not an index, or a skeleton is malformed.
+    """
+    states: dict[int, dict[Any, Any]] = {}
+    for key, skeleton in structure.items():
+        if not key.isdigit():
+            raise ValueError(f"state structure: key {key!r} is not a param index")
+        state = unflatten_value(skeleton, tensors, f"state[{key}]")
+        if not isinstance(state, dict):
+            raise ValueError(f"state[{key}]: expected a dict of state, got {type(state).__name__}")
+        states[int(key)] = state
+    return states
+
+
+def tensor_paths(skeleton: Any, prefix: str = "") -> list[str]:
+    """Return a readable path for every tensor of ``skeleton``, in tensor-number order.
+
+    Path parts are joined with ``/`` (dict keys by their ``str``, list positions by number),
+    e.g. ``"precond/0"``; usable as a safetensors name suffix.
+
+    Example:
+        >>> tensor_paths(flatten_value({"pre": [torch.ones(1), torch.ones(1)]})[0])
+        ['pre/0', 'pre/1']
+    """
+    found: list[tuple[int, str]] = []
+    _walk_paths(skeleton, prefix, found)
+    return [path for _, path in sorted(found)]
+
+
+def _walk_paths(skeleton: Any, path: str, found: list[tuple[int, str]]) -> None:
+    def join(part: Any) -> str:
+        return f"{path}/{part}" if path else str(part)
+
+    if isinstance(skeleton, list):
+        for i, item in enumerate(skeleton):
+            _walk_paths(item, join(i), found)
+    elif isinstance(skeleton, dict) and len(skeleton) == 1:
+        ((tag, body),) = skeleton.items()
+        if tag == TENSOR_TAG:
+            found.append((body, path))
+        elif tag == "tuple":
+            _walk_paths(body, path, found)
+        elif tag == "dict":
+            for k, v in body:
+                _walk_paths(v, join(unflatten_value(k, [])), found)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Return ``value`` with ``fn`` applied to every tensor inside it (containers rebuilt).
+
+    Lists, tuples and dicts are rebuilt (a new object of the same kind, a tuple for tuple
+    subclasses); other values are returned as they are.
+
+    Example:
+        >>> map_tensors({"a": [torch.ones(1)], "n": 2}, lambda t: t * 3)
+        {'a': [tensor([3.])], 'n': 2}
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [map_tensors(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
