@@ -3,6 +3,9 @@
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -136,11 +139,22 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
     assert err.startswith("oss-plus bench: error:") and message in err and "\n" not in err
 
 
-def test_async_checkpoint_bench_measures_against_dcp(capsys):
-    """The async rows run from the CLI and every figure is a real, positive measurement."""
+def test_async_checkpoint_bench_measures_against_dcp():
+    """The async rows run from the CLI and every figure is a real, positive measurement.
+
+    Run as a subprocess, as a user would: in-process under pytest's output capture the
+    DCP rows of this bench stall (not understood yet; the bench itself runs in seconds).
+    """
     argv = ["bench", "--async-checkpoint", "--size", "0.2", "--world-size", "2", "--rounds", "1"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+    done = subprocess.run(
+        [sys.executable, "-m", "oss_plus", *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
     for row in ("blocking save", "stall of an async save", "load on 1 rank"):
         line = next(x for x in out.splitlines() if x.startswith(f"| {row}"))
         ours, dcp = (float(cell.strip().rstrip(" s")) for cell in line.split("|")[2:4])

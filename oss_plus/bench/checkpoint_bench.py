@@ -145,7 +145,8 @@ def _load(impl: str, opt: Any, path: str) -> None:
     if impl.startswith("oss_plus"):
         load_checkpoint(opt, path)
     else:
-        opt.load_state_dict(torch.load(os.path.join(path, "optim.pt"), weights_only=True))
+        file = os.path.join(path, "optim.pt")
+        opt.load_state_dict(torch.load(file, weights_only=True))
 
 
 def _timed(fn: Callable[[], None]) -> tuple[float, int, float]:
