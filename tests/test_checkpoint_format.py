@@ -182,13 +182,13 @@ def test_written_files_load_with_safe_open_exactly_and_aligned(tmp_path):
 
 def _index(**changes) -> Index:
     files = {"shard-00000-of-00001.0123456789abcdef.safetensors": {"rank": 0, "bytes": 100}}
-    ref = TensorRef(next(iter(files)), "state.1.m", "F32", (3, 2), 7)
+    ref = TensorRef(next(iter(files)), "state.1.exp_avg", "F32", (3, 2), 7)
     fields = dict(
         layout="sharded",
         save_id="0123456789abcdef",
         files=files,
         param_groups=[{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}, {"params": [2]}],
-        state={1: {"m": ref, "n": PlainValue((1, None))}},
+        state={1: {"exp_avg": ref, "n": PlainValue((1, None))}},
         params=[{"shape": s, "dtype": "F32", "trainable": True} for s in ([2], [3, 2], [])],
         optimizer="torch.optim.adam.Adam",
         world_size=1,
@@ -256,15 +256,23 @@ def test_check_fits_accepts_the_same_model():
             [[torch.Size([2]), torch.Size([4, 2])], SHAPES[1]],
             DTYPES,
             _index(params=None),
-            "state\\[1\\]\\['m'\\] has shape \\(3, 2\\).*\\(4, 2\\)",
+            "state\\[1\\]\\['exp_avg'\\] has shape \\(3, 2\\).*\\(4, 2\\)",
         ),
     ],
     ids=["groups", "counts", "shape", "dtype", "state shape without params"],
 )
 def test_check_fits_names_the_mismatch(shapes, dtypes, index, message):
     with pytest.raises(ValueError, match=message) as info:
-        check_fits(index, shapes, dtypes, "/ckpt/index.json")
+        check_fits(index, shapes, dtypes, "/ckpt/index.json", {"exp_avg"})
     assert "/ckpt/index.json" in str(info.value)
+
+
+def test_check_fits_checks_only_per_element_state_like_load_state_dict():
+    """Any other key may have any shape (a (3, 2) statistic on a (4, 2) param is legal)."""
+    shapes = [[torch.Size([2]), torch.Size([4, 2])], SHAPES[1]]
+    check_fits(_index(params=None), shapes, DTYPES, "index.json", {"exp_avg_sq"})
+    with pytest.raises(ValueError, match="exp_avg"):
+        check_fits(_index(params=None), shapes, DTYPES, "index.json", {"exp_avg"})
 
 
 def test_message_plan_packs_small_tensors_and_chunks_big_ones():

@@ -23,7 +23,7 @@ from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, TensorRef
 from oss_plus.checkpoint.plan import check_optimizer
 from oss_plus.checkpoint.storage import crc32_of
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
-from oss_plus.state import state_shape_error
+from oss_plus.state import per_element_keys, state_shape_error
 
 __all__ = [
     "check_files",
@@ -76,7 +76,8 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
         check_files(root, index)
         shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
         dtypes = [p.dtype for p in optimizer.flat_params()]
-        check_fits(index, shapes, dtypes, str(root / INDEX_FILE))
+        per_element = per_element_keys(optimizer.optim)
+        check_fits(index, shapes, dtypes, str(root / INDEX_FILE), per_element)
         _warn_other_optimizer(index, optimizer)
         return index, read_states(root, index, optimizer.plan.owned(optimizer.rank))
 
@@ -235,15 +236,25 @@ def _read_tensor(handle: Any, file: Path, ref: TensorRef) -> torch.Tensor:
 
 
 def check_fits(
-    index: Index, shapes: Sequence[Sequence[torch.Size]], dtypes: Sequence[torch.dtype], where: str
+    index: Index,
+    shapes: Sequence[Sequence[torch.Size]],
+    dtypes: Sequence[torch.dtype],
+    where: str,
+    per_element: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Check that the checkpoint ``index`` belongs to params grouped as ``shapes``.
+
+    State tensors are checked exactly as an in-memory ``load_state_dict`` checks them
+    (:func:`oss_plus.state.state_shape_error`): only the keys of ``per_element`` must have
+    their param's shape; any other state may legally have any shape.
 
     Args:
         index: the parsed index.
         shapes: per group, the shape of each param of the optimizer being loaded.
         dtypes: the dtype of each param, by flat index.
         where: the index path, for messages.
+        per_element: the per-element state keys of the loading optimizer
+            (:func:`oss_plus.state.per_element_keys`).
 
     Raises:
         ValueError: another number of groups or params, or a param of another shape or dtype.
@@ -274,6 +285,7 @@ def check_fits(
             )
         for key, ref in index.state.get(i, {}).items():
             if isinstance(ref, TensorRef):
-                message = state_shape_error(i, key, torch.empty(ref.shape, device="meta"), shape)
+                meta = torch.empty(ref.shape, device="meta")
+                message = state_shape_error(i, key, meta, shape, per_element)
                 if message:
                     raise ValueError(f"{where}: {message}; {fix}")
