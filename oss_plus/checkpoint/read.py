@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from oss_plus import _dist
-from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, TensorRef
+from oss_plus._nested import unflatten_value
+from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, NestedValue, TensorRef
 from oss_plus.checkpoint.plan import check_optimizer
 from oss_plus.checkpoint.storage import crc32_of
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
@@ -179,19 +180,24 @@ def read_states(path: Path, index: Index, indices: Iterable[int]) -> dict[int, d
     wanted = sorted(i for i in set(indices) if i in index.state)
     by_file: dict[str, list[TensorRef]] = {}
     for i in wanted:
-        for ref in index.state[i].values():
-            if isinstance(ref, TensorRef):
-                by_file.setdefault(ref.file, []).append(ref)
+        for entry in index.state[i].values():
+            for ref in entry.tensors if isinstance(entry, NestedValue) else (entry,):
+                if isinstance(ref, TensorRef):
+                    by_file.setdefault(ref.file, []).append(ref)
     tensors: dict[str, torch.Tensor] = {}
     with torch.profiler.record_function("oss_plus::checkpoint_read"):
-        for name, refs in by_file.items():
-            tensors.update(_read_file(path / name, refs, index.save_id, path / INDEX_FILE))
+        for name, listed in by_file.items():
+            tensors.update(_read_file(path / name, listed, index.save_id, path / INDEX_FILE))
+
+    def value_of(entry: Any, where: str) -> Any:
+        if isinstance(entry, TensorRef):
+            return tensors[entry.name]
+        if isinstance(entry, NestedValue):
+            return unflatten_value(entry.skeleton, [tensors[r.name] for r in entry.tensors], where)
+        return copy.deepcopy(entry.value)
+
     return {
-        i: {
-            k: tensors[v.name] if isinstance(v, TensorRef) else copy.deepcopy(v.value)
-            for k, v in index.state[i].items()
-        }
-        for i in wanted
+        i: {k: value_of(v, f"state[{i}][{k!r}]") for k, v in index.state[i].items()} for i in wanted
     }
 
 
