@@ -3,7 +3,8 @@
 JSON alone cannot tell a tuple from a list, an int from a float, or store inf/nan, so every
 value that is not None, a bool, an int, a string or a list is wrapped in a one-key object
 naming its type (``{"float": 0.9}``, ``{"tuple": [...]}``). ``docs/checkpoints.md`` lists the
-tags.
+tags. The encoder and decoder are those of :mod:`oss_plus._nested` (also used for nested
+optimizer state); here tensors in param groups are stored inline (``tensor_bytes``).
 """
 
 from __future__ import annotations
