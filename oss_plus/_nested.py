@@ -33,6 +33,8 @@ import torch
 
 __all__ = [
     "TENSOR_TAG",
+    "decode",
+    "encode",
     "flatten_state",
     "flatten_value",
     "map_tensors",
@@ -62,73 +64,115 @@ def flatten_value(value: Any, where: str = "value") -> tuple[Any, list[torch.Ten
             list/tuple/dict; the message names where (``where`` is the prefix).
     """
     tensors: list[torch.Tensor] = []
-    return _encode(value, where, tensors), tensors
+    return encode(value, where, _placeholder(tensors)), tensors
 
 
-def _encode(value: Any, where: str, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
+def _placeholder(tensors: list[torch.Tensor]) -> Callable[[torch.Tensor, str], Any]:
+    """An ``on_tensor`` for :func:`encode`: append the tensor, return its placeholder."""
+
+    def placeholder(tensor: torch.Tensor, _: str) -> Any:
+        tensors.append(tensor)
         return {TENSOR_TAG: len(tensors) - 1}
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, float):
-        return {"float": value if math.isfinite(value) else repr(value)}
-    if isinstance(value, (list, tuple)):
-        items = [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
-        return items if isinstance(value, list) else {"tuple": items}
-    if isinstance(value, dict):
-        pairs = []
-        for k, v in value.items():
-            if isinstance(k, (torch.Tensor, list, dict)):
-                raise TypeError(NOT_STORABLE.format(where=f"{where} key", kind="key", value=k))
-            pairs.append(
-                [_encode(k, f"{where} key", tensors), _encode(v, f"{where}[{k!r}]", tensors)]
-            )
-        return {"dict": pairs}
-    try:
-        return operator.index(value)  # int and integer-like scalars (numpy ints)
-    except TypeError:
-        pass
-    if isinstance(value, numbers.Real):  # float-like scalars (numpy floats)
-        return _encode(float(value), where, tensors)
-    raise TypeError(NOT_STORABLE.format(where=where, kind=type(value).__name__, value=value))
+
+    return placeholder
 
 
-def unflatten_value(skeleton: Any, tensors: Sequence[torch.Tensor], where: str = "value") -> Any:
+def encode(
+    value: Any,
+    where: str,
+    on_tensor: Callable[[torch.Tensor, str], Any],
+    not_storable: str = NOT_STORABLE,
+) -> Any:
+    """Return the type-tagged JSON data of ``value``; each tensor becomes ``on_tensor(t, where)``.
+
+    The one encoder of the tags: :func:`flatten_value` turns tensors into placeholders, the
+    checkpoint's param groups (:mod:`oss_plus.checkpoint.values`) into inline bytes.
+
+    Raises:
+        TypeError: a value has no JSON form (``not_storable``, formatted with ``where``,
+            ``kind`` and ``value``), or a dict key is a tensor or a container.
+    """
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return on_tensor(value, where)
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, float):
+            return {"float": value if math.isfinite(value) else repr(value)}
+        if isinstance(value, (list, tuple)):
+            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return items if isinstance(value, list) else {"tuple": items}
+        if isinstance(value, dict):
+            pairs = []
+            for k, v in value.items():
+                if isinstance(k, (torch.Tensor, list, dict)):
+                    raise TypeError(not_storable.format(where=f"{where} key", kind="key", value=k))
+                pairs.append([walk(k, f"{where} key"), walk(v, f"{where}[{k!r}]")])
+            return {"dict": pairs}
+        try:
+            return operator.index(value)  # int and integer-like scalars (numpy ints)
+        except TypeError:
+            pass
+        if isinstance(value, numbers.Real):  # float-like scalars (numpy floats)
+            return walk(float(value), where)
+        raise TypeError(not_storable.format(where=where, kind=type(value).__name__, value=value))
+
+    return walk(value, where)
+
+
+def unflatten_value(skeleton: Any, tensors: Sequence[Any], where: str = "value") -> Any:
     """Rebuild the value :func:`flatten_value` split (tensors are used as they are).
 
     Raises:
         ValueError: ``skeleton`` is not valid skeleton data, or names a tensor that
             ``tensors`` lacks; the message names where.
     """
-    if skeleton is None or isinstance(skeleton, (bool, int, str)):
-        return skeleton
-    if isinstance(skeleton, float):  # lenient: an untagged JSON float
-        return skeleton
-    if isinstance(skeleton, list):
-        return [unflatten_value(v, tensors, f"{where}[{i}]") for i, v in enumerate(skeleton)]
-    if not isinstance(skeleton, dict) or len(skeleton) != 1:
-        raise ValueError(f"{where}: expected a tagged value, got {skeleton!r}")
-    ((tag, body),) = skeleton.items()
-    if tag == TENSOR_TAG and isinstance(body, int) and not isinstance(body, bool):
+
+    def tensor_at(body: Any, where: str) -> Any:
+        if not isinstance(body, int) or isinstance(body, bool):
+            raise ValueError(f"{where}: malformed tensor placeholder {body!r}")
         if not 0 <= body < len(tensors):
             raise ValueError(f"{where}: tensor {body} is missing (got {len(tensors)} tensors)")
         return tensors[body]
+
+    return decode(skeleton, where, TENSOR_TAG, tensor_at)
+
+
+def decode(data: Any, where: str, tensor_tag: str, on_tensor: Callable[[Any, str], Any]) -> Any:
+    """Decode what :func:`encode` produced; ``{tensor_tag: body}`` becomes ``on_tensor(body)``.
+
+    Raises:
+        ValueError: ``data`` is not valid tagged JSON data; the message names ``where``.
+    """
+    if data is None or isinstance(data, (bool, int, str)):
+        return data
+    if isinstance(data, float):  # lenient: an untagged JSON float
+        return data
+    if isinstance(data, list):
+        return [decode(v, f"{where}[{i}]", tensor_tag, on_tensor) for i, v in enumerate(data)]
+    if not isinstance(data, dict) or len(data) != 1:
+        raise ValueError(f"{where}: expected a tagged value, got {data!r}")
+    ((tag, body),) = data.items()
+    if tag == tensor_tag:
+        return on_tensor(body, where)
     if tag == "float" and isinstance(body, (int, float)) and not isinstance(body, bool):
         return float(body)
     if tag == "float" and body in ("inf", "-inf", "nan"):
         return float(body)
     if tag == "tuple" and isinstance(body, list):
-        return tuple(unflatten_value(v, tensors, f"{where}[{i}]") for i, v in enumerate(body))
+        return tuple(decode(v, f"{where}[{i}]", tensor_tag, on_tensor) for i, v in enumerate(body))
     if tag == "dict" and isinstance(body, list) and all(_is_pair(kv) for kv in body):
         try:
             return {
-                unflatten_value(k, tensors, where): unflatten_value(v, tensors, f"{where}[{k!r}]")
+                decode(k, where, tensor_tag, on_tensor): decode(
+                    v, f"{where}[{k!r}]", tensor_tag, on_tensor
+                )
                 for k, v in body
             }
         except TypeError:
             raise ValueError(f"{where}: a dict key is not hashable") from None
-    raise ValueError(f"{where}: unknown or malformed tag {tag!r} in {skeleton!r}")
+    raise ValueError(f"{where}: unknown or malformed tag {tag!r} in {data!r}")
 
 
 def _is_pair(item: Any) -> bool:
@@ -150,7 +194,8 @@ def flatten_state(
         ({'1': {'dict': [['step', 3], ['m', {'tensor': 0}]]}}, 1)
     """
     tensors: list[torch.Tensor] = []
-    structure = {str(i): _encode(dict(states[i]), f"state[{i}]", tensors) for i in sorted(states)}
+    on_tensor = _placeholder(tensors)
+    structure = {str(i): encode(dict(states[i]), f"state[{i}]", on_tensor) for i in sorted(states)}
     return structure, tensors
 
 

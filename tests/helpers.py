@@ -381,6 +381,53 @@ def loads_without_touching(model: torch.nn.Module, opt: Any, sd: dict) -> bool:
     return same and sd["state"].keys() == pristine["state"].keys()
 
 
+# ------------------------------------------------------------------ optimizers
+class ShampooLike(torch.optim.Optimizer):
+    """A per-param optimizer whose state nests tensors (a test double of Shampoo).
+
+    Per param: ``pre`` is a dict holding a list of two preconditioner tensors and a tuple
+    ``(int, float)``; ``count`` an int, ``warm`` a bool, ``none`` None, ``scale`` a 0-dim
+    tensor and ``hist`` a fixed-size ``(3,)`` histogram (legal on a param of any shape). The
+    update reads all of them, so state that is lost, mis-typed or moved to another param
+    changes the parameters.
+    """
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["pre"] = {
+                        "mats": [torch.zeros_like(p), torch.zeros_like(p)],
+                        "k": (1, 2.5),
+                    }
+                    state["count"] = 0
+                    state["warm"] = False
+                    state["none"] = None
+                    state["scale"] = torch.tensor(1.0)
+                    state["hist"] = torch.zeros(3)
+                mats = state["pre"]["mats"]
+                mats[0].addcmul_(g, g)
+                mats[1].mul_(0.9).add_(g)
+                state["scale"].mul_(0.99)
+                state["count"] += 1
+                state["hist"].add_(torch.histc(g, bins=3, min=-1.0, max=1.0))
+                k0, k1 = state["pre"]["k"]
+                state["pre"]["k"] = (k0 + 1, k1 * 0.5)
+                boost = (2.0 if state["warm"] else 1.0) * (1.0 + state["hist"].sum() / 1000) * k1
+                update = mats[1] / (mats[0].sqrt() + 1e-8)
+                p.sub_(update * (group["lr"] * boost * state["scale"] / state["count"]))
+                state["warm"] = state["count"] > 1
+        return None
+
+
 # ------------------------------------------------------------------ errors as data
 def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
     """Run ``fn``; return ("ok", result) or (exception type name, message).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model, params_equal, train
+from helpers import ShampooLike, make_model, params_equal, train
 from test_checkpoint import OPTIMIZERS, diff
 
 import oss_plus
@@ -60,6 +60,29 @@ def test_a_plain_torch_state_dict_round_trips_exactly_and_training_continues(tmp
     assert params_equal(model, clone)
 
 
+def test_nested_state_round_trips_exactly_and_training_continues(tmp_path):
+    """A Shampoo-like state dict (tensors in a dict of a list, a tuple, int/bool/None, 0-dim
+    tensors) through write_state_dict/read_state_dict; a fresh optimizer resumes from it in
+    lockstep with the original."""
+    model = make_model()
+    opt = ShampooLike(model.parameters())
+    train(model, opt, 2)
+    original = opt.state_dict()
+    write_state_dict(original, tmp_path / "c")
+    back = read_state_dict(tmp_path / "c")
+    assert diff(back, original) is None
+    assert (
+        back["state"][0]["pre"]["mats"][1].data_ptr()
+        != original["state"][0]["pre"]["mats"][1].data_ptr()
+    )
+    clone = copy.deepcopy(model)
+    other = ShampooLike(clone.parameters(), lr=123.0)
+    other.load_state_dict(back)
+    train(model, opt, 2, start=2)
+    train(clone, other, 2, start=2)
+    assert params_equal(model, clone) and diff(other.state_dict(), opt.state_dict()) is None
+
+
 def test_state_ids_that_are_not_flat_indices_are_renumbered(tmp_path):
     sd = {
         "state": {10: {"m": torch.ones(2)}, 30: {"m": torch.zeros(1)}},
@@ -85,13 +108,31 @@ def test_state_ids_that_are_not_flat_indices_are_renumbered(tmp_path):
             "complex128",
         ),
         (
-            {"state": {0: {"m": [torch.zeros(2)]}}, "param_groups": [{"params": [0]}]},
+            {
+                "state": {
+                    0: {"m": {"pre": [torch.zeros(2), torch.zeros(1, dtype=torch.complex128)]}}
+                },
+                "param_groups": [{"params": [0]}],
+            },
             TypeError,
-            "inside a list",
+            "key 'm' at state.0.m/pre/1 has dtype torch.complex128",
+        ),
+        (
+            {"state": {0: {"m": [torch.zeros(2), {1}]}}, "param_groups": [{"params": [0]}]},
+            TypeError,
+            r"key 'm'\[1\] is a set",
         ),
         ({"state": {}, "param_groups": [{"params": [0], "hook": print}]}, TypeError, "'hook'"),
     ],
-    ids=["no groups", "not a dict", "unknown id", "complex", "nested tensor", "function"],
+    ids=[
+        "no groups",
+        "not a dict",
+        "unknown id",
+        "complex",
+        "nested complex",
+        "nested set",
+        "function",
+    ],
 )
 def test_bad_state_dicts_are_refused_before_anything_is_written(tmp_path, sd, error, words):
     with pytest.raises(error, match=words):
@@ -285,10 +326,10 @@ def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(tmp_path
 
 
 # ------------------------------------------------------------------ no pickle
-#: Modules allowed to pickle: the test harness (IPC between the pytest process and its
-#: workers) and consolidate.py (all_gather_object of small metadata). Neither is imported
-#: by the checkpoint load path (checked at runtime in test_checkpoint.py).
-PICKLE_ALLOWED = {"testing.py", "consolidate.py"}
+#: Modules allowed to pickle: the test harness only (IPC between the pytest process and its
+#: workers; never imported by the checkpoint load path, checked at runtime in
+#: test_checkpoint.py). Consolidation sends its metadata as JSON.
+PICKLE_ALLOWED = {"testing.py"}
 #: Code that uses the pickle module (or a drop-in for it).
 PICKLE = r"^\s*(import|from)\s+(pickle|cPickle|_pickle|dill)\b|\bpickle\.[A-Za-z_]+"
 #: What else pickles: torch.save and the object collectives of torch.distributed.
@@ -300,9 +341,19 @@ def pickle_offenders(name: str, text: str) -> list[str]:
     if name not in PICKLE_ALLOWED and re.search(PICKLE, text, re.MULTILINE):
         offenders.append(f"{name}: pickle")
     for call in re.finditer(r"torch\.load\(", text):
-        if "weights_only=True" not in text[call.end() :].split(")")[0]:
+        if "weights_only=True" not in call_arguments(text, call.end()):
             offenders.append(f"{name}: torch.load without weights_only=True")
     return offenders
+
+
+def call_arguments(text: str, start: int) -> str:
+    """The text from ``start`` (just after a call's opening parenthesis) to its closing one."""
+    depth = 1
+    for end in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end]
+    return text[start:]
 
 
 def test_the_pickle_scan_finds_what_it_looks_for():
@@ -310,6 +361,8 @@ def test_the_pickle_scan_finds_what_it_looks_for():
     assert pickle_offenders("x.py", "y = pickle.loads(b)\n") == ["x.py: pickle"]
     assert pickle_offenders("x.py", "torch.load(f, map_location='cpu')") != []
     assert pickle_offenders("x.py", "torch.load(f, weights_only=True)\n# no pickle here") == []
+    assert pickle_offenders("x.py", "torch.load(join(a, b), weights_only=True)") == []
+    assert pickle_offenders("x.py", "torch.load(join(a, b))\nf(weights_only=True)") != []
 
 
 def test_no_pickle_and_no_unsafe_torch_load_in_the_package():

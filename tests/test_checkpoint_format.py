@@ -12,14 +12,18 @@ import torch
 from safetensors import safe_open
 
 from oss_plus._dist import message_plan
+from oss_plus._nested import flatten_value
 from oss_plus.checkpoint import storage
 from oss_plus.checkpoint.format import (
     Index,
+    NestedValue,
     PlainValue,
     TensorRef,
+    nested_names,
     safetensors_header,
     tensor_name,
 )
+from oss_plus.checkpoint.plan import split_state
 from oss_plus.checkpoint.read import check_fits
 from oss_plus.checkpoint.values import decode_value, dtype_name, encode_value, torch_dtype
 
@@ -182,13 +186,13 @@ def test_written_files_load_with_safe_open_exactly_and_aligned(tmp_path):
 
 def _index(**changes) -> Index:
     files = {"shard-00000-of-00001.0123456789abcdef.safetensors": {"rank": 0, "bytes": 100}}
-    ref = TensorRef(next(iter(files)), "state.1.m", "F32", (3, 2), 7)
+    ref = TensorRef(next(iter(files)), "state.1.exp_avg", "F32", (3, 2), 7)
     fields = dict(
         layout="sharded",
         save_id="0123456789abcdef",
         files=files,
         param_groups=[{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}, {"params": [2]}],
-        state={1: {"m": ref, "n": PlainValue((1, None))}},
+        state={1: {"exp_avg": ref, "n": PlainValue((1, None))}},
         params=[{"shape": s, "dtype": "F32", "trainable": True} for s in ([2], [3, 2], [])],
         optimizer="torch.optim.adam.Adam",
         world_size=1,
@@ -209,7 +213,8 @@ def test_the_index_round_trips_through_its_json_text():
     ("change", "message"),
     [
         ({"format": "other"}, "not an oss_plus checkpoint index"),
-        ({"format_version": 2}, "format version 2.*upgrade oss_plus"),
+        ({"format_version": 3}, "format version 3.*reads versions 1, 2 only.*upgrade oss_plus"),
+        ({"format_version": True}, "format version True.*damaged"),
         ({"format_version": "1"}, "format version '1'.*damaged"),
         ({"layout": "striped"}, "unknown layout"),
         ({"num_params": 4}, "flat indices"),
@@ -224,6 +229,83 @@ def test_bad_indexes_raise_naming_the_file_and_the_problem(change, message):
     with pytest.raises(ValueError, match=message) as info:
         Index.from_json(data, "/ckpt/index.json")
     assert "/ckpt/index.json" in str(info.value)
+
+
+# ------------------------------------------------------------------ nested state (version 2)
+PRE = {"mats": [torch.randn(3, 2), torch.ones(3, 2)], "k": (1, 2.5), 7: {"deep": torch.tensor(2.0)}}
+PRE_SKELETON = flatten_value(PRE)[0]
+
+
+def test_nested_values_are_split_into_a_skeleton_and_named_tensors():
+    entries = split_state({4: {"pre": PRE, "plain": [1, (2.0, None)], "m": torch.zeros(2)}})
+    nested = entries[4]["pre"]
+    assert isinstance(nested, NestedValue) and entries[4]["plain"] == PlainValue([1, (2.0, None)])
+    assert [t is u for t, u in zip(nested.tensors, [*PRE["mats"], PRE[7]["deep"]])] == [True] * 3
+    assert json.loads(json.dumps(nested.skeleton)) == nested.skeleton  # plain JSON
+    assert nested_names(4, "pre", nested.skeleton) == [
+        "state.4.pre/mats/0",
+        "state.4.pre/mats/1",
+        "state.4.pre/7/deep",
+    ]
+
+
+def test_nested_values_are_written_under_their_paths_and_read_back_exactly(tmp_path):
+    entries = split_state({0: {"pre": PRE, "top": torch.arange(3)}, 2: {"pre": [torch.ones(1)]}})
+    _, written = storage.write_file(tmp_path / "f.safetensors", entries, "0" * 16)
+    assert [r.name for r in written[0]["pre"].tensors] == nested_names(0, "pre", PRE_SKELETON)
+    with safe_open(str(tmp_path / "f.safetensors"), framework="pt") as handle:
+        assert sorted(handle.keys()) == sorted(
+            ["state.0.top", "state.2.pre/0", *nested_names(0, "pre", PRE_SKELETON)]
+        )
+        assert torch.equal(handle.get_tensor("state.0.pre/mats/0"), PRE["mats"][0])
+        assert torch.equal(handle.get_tensor("state.0.pre/7/deep"), PRE[7]["deep"])
+    files = {"f.safetensors": {"rank": 0, "bytes": 1}}
+    index = _index(files=files, state=written, params=None, partition=None)
+    assert index.format_version == 2
+    text = index.dumps()
+    assert json.loads(text)["format_version"] == 2
+    assert Index.from_json(json.loads(text), "index.json") == index
+
+
+def test_a_name_a_param_already_uses_is_made_unique(tmp_path):
+    top, inner = torch.ones(1), torch.zeros(1)
+    entries = split_state({0: {"a/0": top, "a": [inner]}})  # both would be "state.0.a/0"
+    _, written = storage.write_file(tmp_path / "f.safetensors", entries, "0" * 16)
+    assert written[0]["a/0"].name == "state.0.a/0"
+    assert written[0]["a"].tensors[0].name == "state.0.a/0~"
+    with safe_open(str(tmp_path / "f.safetensors"), framework="pt") as handle:
+        assert torch.equal(handle.get_tensor("state.0.a/0"), top)
+        assert torch.equal(handle.get_tensor("state.0.a/0~"), inner)
+
+
+def test_indexes_without_nested_state_stay_version_1_for_older_readers():
+    assert json.loads(_index().dumps())["format_version"] == 1
+    data = json.loads(_index().dumps())
+    assert Index.from_json({**data, "format_version": 2}, "index.json") == _index()
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"nested": [{"tensor": 0}, {"tensor": 1}], "tensors": []}, "tensor 0 is missing"),
+        ({"nested": [1], "tensors": ["REF"]}, "0 tensor placeholders for 1 tensors"),
+        ({"nested": {"bogus": 1}, "tensors": []}, "unknown or malformed tag"),
+        ({"nested": [{"tensor": 0}], "tensors": ["OTHER FILE"]}, "which the index does not list"),
+    ],
+    ids=["missing tensor", "unused tensor", "bad tag", "unlisted file"],
+)
+def test_malformed_nested_entries_are_refused_naming_the_param_and_key(entry, message):
+    data = json.loads(_index().dumps())
+    ref = data["state"]["1"]["exp_avg"]["tensor"]
+    other = {**ref, "file": "elsewhere.safetensors"}
+    entry = {
+        **entry,
+        "tensors": [{"REF": ref, "OTHER FILE": other}[t] for t in entry["tensors"]],
+    }
+    data["state"]["1"]["pre"] = entry
+    with pytest.raises(ValueError, match=message) as info:
+        Index.from_json(data, "/ckpt/index.json")
+    assert "/ckpt/index.json: state 1 key 'pre'" in str(info.value)
 
 
 SHAPES = [[torch.Size([2]), torch.Size([3, 2])], [torch.Size([])]]
@@ -256,15 +338,23 @@ def test_check_fits_accepts_the_same_model():
             [[torch.Size([2]), torch.Size([4, 2])], SHAPES[1]],
             DTYPES,
             _index(params=None),
-            "state\\[1\\]\\['m'\\] has shape \\(3, 2\\).*\\(4, 2\\)",
+            "state\\[1\\]\\['exp_avg'\\] has shape \\(3, 2\\).*\\(4, 2\\)",
         ),
     ],
     ids=["groups", "counts", "shape", "dtype", "state shape without params"],
 )
 def test_check_fits_names_the_mismatch(shapes, dtypes, index, message):
     with pytest.raises(ValueError, match=message) as info:
-        check_fits(index, shapes, dtypes, "/ckpt/index.json")
+        check_fits(index, shapes, dtypes, "/ckpt/index.json", {"exp_avg"})
     assert "/ckpt/index.json" in str(info.value)
+
+
+def test_check_fits_checks_only_per_element_state_like_load_state_dict():
+    """Any other key may have any shape (a (3, 2) statistic on a (4, 2) param is legal)."""
+    shapes = [[torch.Size([2]), torch.Size([4, 2])], SHAPES[1]]
+    check_fits(_index(params=None), shapes, DTYPES, "index.json", {"exp_avg_sq"})
+    with pytest.raises(ValueError, match="exp_avg"):
+        check_fits(_index(params=None), shapes, DTYPES, "index.json", {"exp_avg"})
 
 
 def test_message_plan_packs_small_tensors_and_chunks_big_ones():

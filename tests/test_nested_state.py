@@ -1,7 +1,7 @@
 """State with tensors nested in containers: the pure flattening and every path that moves it.
 
-``ShampooLike`` keeps, per param, what third-party optimizers keep: a dict holding a list of
-tensors and a tuple, an int, a bool, None, a 0-dim tensor and a fixed-size ``(3,)``
+``helpers.ShampooLike`` keeps, per param, what third-party optimizers keep: a dict holding a
+list of tensors and a tuple, an int, a bool, None, a 0-dim tensor and a fixed-size ``(3,)``
 histogram (legal on a bias of any length). Its update reads all of them, so a state that is
 lost, mis-typed or belongs to another param changes the parameters; every distributed test
 compares with the same optimizer unsharded, exactly (fp32).
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import backward, make_model
+from helpers import ShampooLike, backward, make_model
 
 from oss_plus import OSS
 from oss_plus._nested import (
@@ -28,46 +28,6 @@ from oss_plus._nested import (
 )
 from oss_plus.compat.fairscale import OSS as FairscaleOSS
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
-
-
-class ShampooLike(torch.optim.Optimizer):
-    """A per-param optimizer whose state nests tensors (a test double of Shampoo)."""
-
-    def __init__(self, params, lr: float = 0.05) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["pre"] = {
-                        "mats": [torch.zeros_like(p), torch.zeros_like(p)],
-                        "k": (1, 2.5),
-                    }
-                    state["count"] = 0
-                    state["warm"] = False
-                    state["none"] = None
-                    state["scale"] = torch.tensor(1.0)
-                    state["hist"] = torch.zeros(3)
-                mats = state["pre"]["mats"]
-                mats[0].addcmul_(g, g)
-                mats[1].mul_(0.9).add_(g)
-                state["scale"].mul_(0.99)
-                state["count"] += 1
-                state["hist"].add_(torch.histc(g, bins=3, min=-1.0, max=1.0))
-                k0, k1 = state["pre"]["k"]
-                state["pre"]["k"] = (k0 + 1, k1 * 0.5)
-                boost = (2.0 if state["warm"] else 1.0) * (1.0 + state["hist"].sum() / 1000) * k1
-                update = mats[1] / (mats[0].sqrt() + 1e-8)
-                p.sub_(update * (group["lr"] * boost * state["scale"] / state["count"]))
-                state["warm"] = state["count"] > 1
-        return None
-
 
 # ------------------------------------------------------------------ pure flattening
 NESTED = {

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from oss_plus.checkpoint.format import PlainValue
-from oss_plus.checkpoint.plan import Entries
+from oss_plus.checkpoint.plan import Entries, Slot, replace_slots, tensor_slots
 
 __all__ = ["PREVIOUS_SAVE_FAILED", "Saver", "saver_of", "staging_nbytes"]
 
@@ -51,38 +51,40 @@ _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 class Staging:
     """Reusable CPU copies of one rank's state tensors (pinned when the state is on GPU).
 
-    A buffer is kept per (flat index, key) and reused while its shape and dtype stay the
-    same; buffers of state this rank no longer holds are dropped. So the staging memory is
-    one copy of this rank's shard of state, allocated once.
+    A buffer is kept per tensor slot (flat index, key, position inside a container value)
+    and reused while its shape and dtype stay the same; buffers of state this rank no longer
+    holds are dropped. So the staging memory is one copy of this rank's shard of state,
+    allocated once.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._buffers: dict[Slot, torch.Tensor] = {}
 
     def copy(self, entries: Entries) -> Entries:
         """Return ``entries`` with every tensor copied into its staging buffer."""
-        buffers: dict[tuple[int, str], torch.Tensor] = {}
-        staged: Entries = {}
+        buffers: dict[Slot, torch.Tensor] = {}
         on_gpu = False
-        for i, entry in entries.items():
-            staged[i] = {}
-            for key, value in entry.items():
-                if not isinstance(value, torch.Tensor):
-                    staged[i][key] = PlainValue(copy.deepcopy(value.value))
-                    continue
-                buffer = self._buffers.get((i, key))
-                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-                on_gpu = on_gpu or value.is_cuda
-                buffers[i, key] = staged[i][key] = buffer
+        for slot, _, value in tensor_slots(entries):
+            buffer = self._buffers.get(slot)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+            on_gpu = on_gpu or value.is_cuda
+            buffers[slot] = buffer
         if on_gpu:
             torch.cuda.synchronize()
         self._buffers = buffers
-        return staged
+        plain = {
+            i: {
+                k: PlainValue(copy.deepcopy(v.value)) if isinstance(v, PlainValue) else v
+                for k, v in entry.items()
+            }
+            for i, entry in entries.items()
+        }
+        return replace_slots(plain, buffers)
 
-    def buffers(self) -> dict[tuple[int, str], torch.Tensor]:
-        """The staging buffers by (flat index, state key) (a new dict; the same tensors)."""
+    def buffers(self) -> dict[Slot, torch.Tensor]:
+        """The staging buffers by tensor slot (a new dict; the same tensors)."""
         return dict(self._buffers)
 
     @property

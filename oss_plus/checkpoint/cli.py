@@ -16,7 +16,8 @@ from typing import Any, TextIO
 
 import torch
 
-from oss_plus.checkpoint.format import Index, PlainValue, TensorRef
+from oss_plus._nested import flatten_value, unflatten_value
+from oss_plus.checkpoint.format import Index, NestedValue, PlainValue, TensorRef
 from oss_plus.checkpoint.plan import nbytes_of
 from oss_plus.checkpoint.read import check_files, read_index, read_state_dict
 from oss_plus.checkpoint.save import write_state_dict
@@ -62,20 +63,34 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip(), file=out)
 
 
+class _Shown:
+    """A tensor of the index as the table shows it: ``F32[6x6]``."""
+
+    def __init__(self, ref: TensorRef) -> None:
+        self.text = f"{ref.dtype}[{'x'.join(map(str, ref.shape)) or 'scalar'}]"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
     parts, total = [], 0
     for key, entry in entries.items():
         if isinstance(entry, TensorRef):
-            shape = "x".join(map(str, entry.shape)) or "scalar"
-            parts.append(f"{key}:{entry.dtype}[{shape}]")
+            parts.append(f"{key}:{_Shown(entry)!r}")
             total += nbytes_of(entry.dtype, entry.shape)
+        elif isinstance(entry, NestedValue):  # the value, its tensors as dtype[shape]
+            shown = unflatten_value(entry.skeleton, [_Shown(ref) for ref in entry.tensors])
+            parts.append(f"{key}={shown!r}")
+            total += sum(nbytes_of(ref.dtype, ref.shape) for ref in entry.tensors)
         elif isinstance(entry, PlainValue):
             parts.append(f"{key}={entry.value!r}")
     return " ".join(parts) or "-", total
 
 
 def _print_summary(root: Path, index: Index, out: TextIO) -> None:
-    print(f"checkpoint {root}: format v1, {index.layout} layout, save {index.save_id}", file=out)
+    version, layout = index.format_version, index.layout
+    print(f"checkpoint {root}: format v{version}, {layout} layout, save {index.save_id}", file=out)
     print(f"created by: {index.created_by or 'unknown'}", file=out)
     print(f"optimizer:  {index.optimizer or 'unknown (converted from a state dict)'}", file=out)
     saved = f"{index.world_size} ranks" if index.world_size else "unknown world size"
@@ -116,7 +131,7 @@ def _inspect(args: argparse.Namespace) -> int:
     _table(_param_rows(index), sys.stdout)
     if args.verify:
         state = read_state_dict(root)["state"]
-        count = sum(isinstance(v, torch.Tensor) for s in state.values() for v in s.values())
+        count = sum(len(flatten_value(v)[1]) for s in state.values() for v in s.values())
         print(f"verified:   {count} tensors match their checksums")
     return 0
 
@@ -193,7 +208,11 @@ def _convert(args: argparse.Namespace) -> int:
     state_dict = _pick(data, args.key, source)
     write_state_dict(state_dict, target, progress=ProgressBar(f"converting {source.name}"))
     index = read_index(target)
-    tensors = sum(isinstance(v, TensorRef) for s in index.state.values() for v in s.values())
+    tensors = sum(
+        len(v.tensors) if isinstance(v, NestedValue) else isinstance(v, TensorRef)
+        for s in index.state.values()
+        for v in s.values()
+    )
     size = sum(f["bytes"] for f in index.files.values())
     print(f"wrote {target}: {index.num_params} params, {tensors} tensors, {_size(size)}")
     return 0

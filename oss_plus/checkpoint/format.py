@@ -2,7 +2,8 @@
 
 A checkpoint is a directory holding ``index.json`` and one or more safetensors files. The
 index is the single source of truth: it lists the files, the param groups, the parameters
-and, per parameter, every state key as a reference to a tensor in a file or as a JSON value.
+and, per parameter, every state key as a reference to a tensor in a file, as a JSON value,
+or (format version 2) as a JSON skeleton of a container whose tensors are in files.
 Python values are encoded with type tags so that tuples, ints, floats (inf and nan included),
 bools and None come back exactly. ``docs/checkpoints.md`` is the specification.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oss_plus._nested import tensor_paths, unflatten_value
 from oss_plus.checkpoint.values import decode_value, encode_value, torch_dtype
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "SAVE_ID_KEY",
     "SHARDED",
     "Index",
+    "NestedValue",
     "PlainValue",
     "TensorRef",
     "consolidated_file",
@@ -42,8 +45,12 @@ __all__ = [
 
 #: Value of the ``format`` key of every index.
 FORMAT_NAME = "oss_plus.optimizer_checkpoint"
-#: The only version this module reads and writes.
-FORMAT_VERSION = 1
+#: The newest version this module reads and writes. A save writes version 1 unless its state
+#: holds tensors inside containers (:class:`NestedValue`, version 2), so older readers still
+#: read every checkpoint they can.
+FORMAT_VERSION = 2
+#: The versions this module reads.
+READABLE_VERSIONS = (1, 2)
 #: Name of the index inside a checkpoint directory (the commit point of a save).
 INDEX_FILE = "index.json"
 #: Key of the save id in the ``__metadata__`` of every data file.
@@ -55,8 +62,8 @@ DATA_FILE = re.compile(r"^(shard-\d{5,}-of-\d{5,}|state)\.[0-9a-f]{16}\.safetens
 
 #: Message for an index whose version this module cannot read.
 BAD_VERSION = (
-    "{where}: checkpoint format version {found!r}, but this oss_plus reads version "
-    f"{FORMAT_VERSION} only: {{fix}}"
+    "{where}: checkpoint format version {found!r}, but this oss_plus reads versions "
+    f"{', '.join(map(str, READABLE_VERSIONS))} only: {{fix}}"
 )
 
 
@@ -78,11 +85,27 @@ def consolidated_file(save_id: str) -> str:
 def tensor_name(index: int, key: str) -> str:
     """Return the name of state tensor ``key`` of flat index ``index`` inside a file.
 
+    A tensor inside a container value is named ``tensor_name(index, key) + "/" + path``
+    (:func:`nested_names`).
+
     Example:
         >>> tensor_name(3, "exp_avg")
         'state.3.exp_avg'
     """
     return f"state.{index}.{key}"
+
+
+def nested_names(index: int, key: str, skeleton: Any) -> list[str]:
+    """Return the file names of the tensors of a container value, in tensor-number order.
+
+    Each is ``state.<index>.<key>/<path>`` with the path of
+    :func:`oss_plus._nested.tensor_paths` (dict keys and list positions joined by ``/``).
+
+    Example:
+        >>> nested_names(3, "pre", {"dict": [["mats", [{"tensor": 0}, {"tensor": 1}]]]})
+        ['state.3.pre/mats/0', 'state.3.pre/mats/1']
+    """
+    return [f"{tensor_name(index, key)}/{path}" for path in tensor_paths(skeleton)]
 
 
 def safetensors_header(
@@ -144,6 +167,19 @@ class PlainValue:
     value: Any
 
 
+@dataclass(frozen=True)
+class NestedValue:
+    """A state value holding tensors inside lists, tuples or dicts (format version 2).
+
+    ``skeleton`` is the value as type-tagged JSON (:func:`oss_plus._nested.flatten_value`)
+    in which ``{"tensor": n}`` stands for ``tensors[n]``. The tensors are live tensors in a
+    save's entries before they are written and :class:`TensorRef` after (and in an index).
+    """
+
+    skeleton: Any
+    tensors: tuple[Any, ...]
+
+
 def encode_groups(param_groups: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, Any]]:
     """Encode packed param groups (``params`` are flat indices) for the index.
 
@@ -191,7 +227,7 @@ class Index:
     save_id: str
     param_groups: list[dict[str, Any]]
     files: dict[str, dict[str, int]]
-    state: dict[int, dict[str, TensorRef | PlainValue]]
+    state: dict[int, dict[str, TensorRef | PlainValue | NestedValue]]
     params: list[dict[str, Any]] | None = None
     optimizer: str | None = None
     world_size: int | None = None
@@ -203,6 +239,12 @@ class Index:
     def num_params(self) -> int:
         return sum(len(g["params"]) for g in self.param_groups)
 
+    @property
+    def format_version(self) -> int:
+        """The version this index is written with: the lowest that can hold its state."""
+        nested = any(isinstance(v, NestedValue) for e in self.state.values() for v in e.values())
+        return 2 if nested else 1
+
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to ``index.json``.
 
@@ -211,7 +253,7 @@ class Index:
         """
         return {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "layout": self.layout,
             "save_id": self.save_id,
             "created_by": self.created_by,
@@ -264,7 +306,7 @@ class Index:
                 f"{where} is not an oss_plus checkpoint index (no format {FORMAT_NAME!r})"
             )
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             fix = (
                 "it was written by a newer oss_plus: upgrade oss_plus to read it"
                 if isinstance(version, int) and version > FORMAT_VERSION
@@ -305,26 +347,28 @@ class Index:
         return index
 
 
-def encode_state(state: Mapping[int, Mapping[str, TensorRef | PlainValue]]) -> dict[str, Any]:
-    """Encode per-param state entries (``TensorRef`` or ``PlainValue``) as index JSON.
+def encode_state(
+    state: Mapping[int, Mapping[str, TensorRef | PlainValue | NestedValue]],
+) -> dict[str, Any]:
+    """Encode per-param state entries (``TensorRef``, ``PlainValue``, ``NestedValue``).
 
     Raises:
         TypeError: a plain value cannot be stored.
     """
-    return {
-        str(i): {
-            k: {"tensor": v.to_json()}
-            if isinstance(v, TensorRef)
-            else {"value": encode_value(v.value, f"state {i} key {k!r}")}
-            for k, v in state[i].items()
-        }
-        for i in sorted(state)
-    }
+    return {str(i): {k: _encode_entry(v, i, k) for k, v in state[i].items()} for i in sorted(state)}
+
+
+def _encode_entry(entry: TensorRef | PlainValue | NestedValue, i: int, key: str) -> dict[str, Any]:
+    if isinstance(entry, TensorRef):
+        return {"tensor": entry.to_json()}
+    if isinstance(entry, NestedValue):
+        return {"nested": entry.skeleton, "tensors": [ref.to_json() for ref in entry.tensors]}
+    return {"value": encode_value(entry.value, f"state {i} key {key!r}")}
 
 
 def decode_state(
     data: Mapping[str, Any], where: str, files: Mapping[str, Any]
-) -> dict[int, dict[str, TensorRef | PlainValue]]:
+) -> dict[int, dict[str, TensorRef | PlainValue | NestedValue]]:
     """Decode what :func:`encode_state` produced; every file must be one of ``files``.
 
     Raises:
@@ -338,10 +382,22 @@ def decode_state(
     }
 
 
-def _parse_entry(entry: Any, where: str, files: Mapping[str, Any]) -> TensorRef | PlainValue:
+def _parse_entry(
+    entry: Any, where: str, files: Mapping[str, Any]
+) -> TensorRef | PlainValue | NestedValue:
     if "value" in entry:
         return PlainValue(decode_value(entry["value"], where))
-    ref = entry["tensor"]
+    if "nested" in entry:
+        refs = tuple(_parse_ref(ref, where, files) for ref in entry["tensors"])
+        unflatten_value(entry["nested"], refs, where)  # raises ValueError if malformed
+        placeholders = len(tensor_paths(entry["nested"]))
+        if placeholders != len(refs):
+            raise ValueError(f"{where}: {placeholders} tensor placeholders for {len(refs)} tensors")
+        return NestedValue(entry["nested"], refs)
+    return _parse_ref(entry["tensor"], where, files)
+
+
+def _parse_ref(ref: Any, where: str, files: Mapping[str, Any]) -> TensorRef:
     parsed = TensorRef(
         str(ref["file"]),
         str(ref["name"]),

@@ -3,9 +3,10 @@
 :func:`split_state` validates a rank's state and splits it into tensors and plain values;
 :func:`describe` builds the index of the optimizer without files or state;
 :class:`SavePlan` ties them to a save id, a target directory and this rank's file, and
-:func:`file_order` / :func:`file_header` lay the tensors out in a safetensors file. Every
+:func:`tensor_slots` / :func:`file_header` lay the tensors out in a safetensors file. Every
 rank computes the same layout from the same entries, so the consolidated stream needs no
-negotiation.
+negotiation. A tensor is addressed by its :data:`Slot`: top-level state tensors and the
+tensors inside container values (:class:`~oss_plus.checkpoint.format.NestedValue`) alike.
 """
 
 from __future__ import annotations
@@ -17,21 +18,24 @@ from typing import Any
 
 import torch
 
+from oss_plus._nested import flatten_value
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
     SAVE_ID_KEY,
     SHARDED,
     Index,
+    NestedValue,
     PlainValue,
     TensorRef,
     consolidated_file,
     encode_groups,
+    nested_names,
     safetensors_header,
     shard_file,
     stage_path,
     tensor_name,
 )
-from oss_plus.checkpoint.values import dtype_name, dtype_string, encode_value, torch_dtype
+from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
 from oss_plus.state import pack_param_groups
 
 __all__ = [
@@ -41,13 +45,18 @@ __all__ = [
     "check_optimizer",
     "describe",
     "file_header",
-    "file_order",
     "nbytes_of",
+    "replace_slots",
     "split_state",
+    "tensor_slots",
 ]
 
-#: Per param: state key -> tensor (before writing), TensorRef (after) or PlainValue.
+#: Per param: state key -> tensor (before writing), TensorRef (after), PlainValue, or
+#: NestedValue (holding tensors before writing, TensorRefs after).
 Entries = dict[int, dict[str, Any]]
+#: Where a tensor is in entries: (flat index, state key, position in a NestedValue's tensors,
+#: or -1 for a top-level tensor).
+Slot = tuple[int, str, int]
 #: Raised when save/load is given something other than an oss_plus optimizer.
 NOT_OSS = (
     "{fn} expects an oss_plus.OSS optimizer, got {kind}: for a plain torch optimizer use "
@@ -64,20 +73,13 @@ def check_optimizer(optimizer: Any, fn: str) -> None:
         raise TypeError(NOT_OSS.format(fn=fn, kind=type(optimizer).__name__))
 
 
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    return isinstance(value, (list, tuple)) and any(_has_tensor(v) for v in value)
-
-
 def split_state(states: Mapping[int, Mapping[str, Any]]) -> Entries:
-    """Validate per-param state and split it into tensors and :class:`PlainValue` entries.
+    """Validate per-param state and split it into tensors, :class:`PlainValue` and
+    :class:`NestedValue` entries (containers that hold tensors; the tensors are not copied).
 
     Raises:
-        TypeError: a non-string key, a dtype safetensors cannot store, a sparse tensor,
-            tensors inside a container, or a value JSON cannot store.
+        TypeError: a non-string key, a dtype safetensors cannot store, a sparse tensor, or a
+            value JSON cannot store (the message names the param, the key and the place).
     """
     entries: Entries = {}
     for i in sorted(states):
@@ -87,19 +89,24 @@ def split_state(states: Mapping[int, Mapping[str, Any]]) -> Entries:
             if not isinstance(key, str):
                 raise TypeError(f"{where}: state keys must be strings to be saved")
             if isinstance(value, torch.Tensor):
-                dtype_name(value.dtype, where)
-                if value.layout != torch.strided:
-                    raise TypeError(f"{where} is a {value.layout} tensor: save dense tensors only")
-                entries[i][key] = value
-            elif _has_tensor(value):
-                raise TypeError(
-                    f"{where} holds tensors inside a {type(value).__name__}; checkpoints store "
-                    "per-param state made of tensors and plain values only"
-                )
-            else:
-                encode_value(value, where)
+                entries[i][key] = _storable(value, where)
+                continue
+            skeleton, tensors = flatten_value(value, f"of param {i}, key {key!r}")
+            if not tensors:  # a plain value (or a container of them): stored in the index
                 entries[i][key] = PlainValue(value)
+                continue
+            names = nested_names(i, key, skeleton)
+            entries[i][key] = NestedValue(
+                skeleton, tuple(_storable(t, f"{where} at {n}") for t, n in zip(tensors, names))
+            )
     return entries
+
+
+def _storable(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    dtype_name(tensor.dtype, where)
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where} is a {tensor.layout} tensor: save dense tensors only")
+    return tensor
 
 
 def describe(optimizer: Any, layout: str, save_id: str) -> Index:
@@ -180,17 +187,13 @@ class SavePlan:
 
     def refs(self) -> Entries:
         """This rank's entries with every tensor described as a :class:`TensorRef` (CRC 0)."""
-        return {
-            i: {
-                k: TensorRef(
-                    self.file_name, tensor_name(i, k), dtype_name(v.dtype, k), tuple(v.shape), 0
-                )
-                if isinstance(v, torch.Tensor)
-                else v
-                for k, v in e.items()
-            }
-            for i, e in self.entries.items()
-        }
+        return replace_slots(
+            self.entries,
+            {
+                slot: TensorRef(self.file_name, name, dtype_name(t.dtype, name), tuple(t.shape), 0)
+                for slot, name, t in tensor_slots(self.entries)
+            },
+        )
 
 
 def layout_of(sharded: bool) -> str:
@@ -207,19 +210,50 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     return n
 
 
-def file_order(entries: Mapping[int, Mapping[str, Any]]) -> list[tuple[int, str, Any]]:
-    """Return the tensor entries ``(index, key, tensor or TensorRef)`` in file order.
+def tensor_slots(entries: Mapping[int, Mapping[str, Any]]) -> list[tuple[Slot, str, Any]]:
+    """Return every tensor of ``entries`` as ``(slot, name in the file, tensor or TensorRef)``,
+    in file order.
 
     Larger element sizes first (so every tensor starts aligned to its element size), then by
-    flat index and key order: every rank computes the same order from the same entries.
+    flat index, key order and position in a container: every rank computes the same order
+    from the same entries. Names are :func:`tensor_name` / :func:`nested_names` (those of
+    TensorRefs are theirs); a name a param already uses gets ``~`` appended.
     """
-    items = [
-        (i, k, v)
-        for i in sorted(entries)
-        for k, v in entries[i].items()
-        if isinstance(v, (torch.Tensor, TensorRef))
-    ]
+    items: list[tuple[Slot, str, Any]] = []
+    for i in sorted(entries):
+        used: set[str] = set()
+        for key, value in entries[i].items():
+            if isinstance(value, (torch.Tensor, TensorRef)):
+                items.append(((i, key, -1), _unique(value, tensor_name(i, key), used), value))
+            elif isinstance(value, NestedValue):
+                names = nested_names(i, key, value.skeleton)
+                items.extend(
+                    ((i, key, n), _unique(t, name, used), t)
+                    for n, (name, t) in enumerate(zip(names, value.tensors))
+                )
     return sorted(items, key=lambda item: -_itemsize(item[2]))
+
+
+def _unique(value: torch.Tensor | TensorRef, name: str, used: set[str]) -> str:
+    if isinstance(value, TensorRef):
+        return value.name
+    while name in used:
+        name += "~"
+    used.add(name)
+    return name
+
+
+def replace_slots(entries: Mapping[int, Mapping[str, Any]], new: Mapping[Slot, Any]) -> Entries:
+    """Return ``entries`` (new dicts) with the tensor of every slot of ``new`` replaced."""
+    out: Entries = {}
+    for i, entry in entries.items():
+        out[i] = {}
+        for key, value in entry.items():
+            if isinstance(value, NestedValue):
+                tensors = tuple(new.get((i, key, n), t) for n, t in enumerate(value.tensors))
+                value = NestedValue(value.skeleton, tensors)
+            out[i][key] = new.get((i, key, -1), value)
+    return out
 
 
 def _itemsize(value: torch.Tensor | TensorRef) -> int:
@@ -228,15 +262,14 @@ def _itemsize(value: torch.Tensor | TensorRef) -> int:
     return value.element_size()
 
 
-def file_header(items: list[tuple[int, str, Any]], save_id: str) -> bytes:
-    """Return the safetensors header for ``items`` in :func:`file_order`."""
+def file_header(items: list[tuple[Slot, str, Any]], save_id: str) -> bytes:
+    """Return the safetensors header for ``items`` of :func:`tensor_slots`."""
     described = []
-    for i, key, value in items:
+    for _, name, value in items:
         if isinstance(value, TensorRef):
             size = nbytes_of(value.dtype, value.shape)
             described.append((value.name, value.dtype, value.shape, size))
         else:
-            dtype = dtype_name(value.dtype, f"optimizer state of param {i}, key {key!r}")
             size = value.numel() * value.element_size()
-            described.append((tensor_name(i, key), dtype, tuple(value.shape), size))
+            described.append((name, dtype_name(value.dtype, name), tuple(value.shape), size))
     return safetensors_header(described, {"format": "pt", SAVE_ID_KEY: save_id})

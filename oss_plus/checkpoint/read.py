@@ -19,11 +19,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from oss_plus import _dist
-from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, TensorRef
+from oss_plus._nested import unflatten_value
+from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, NestedValue, TensorRef
 from oss_plus.checkpoint.plan import check_optimizer
 from oss_plus.checkpoint.storage import crc32_of
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
-from oss_plus.state import state_shape_error
+from oss_plus.state import per_element_keys, state_shape_error
 
 __all__ = [
     "check_files",
@@ -76,7 +77,8 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
         check_files(root, index)
         shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
         dtypes = [p.dtype for p in optimizer.flat_params()]
-        check_fits(index, shapes, dtypes, str(root / INDEX_FILE))
+        per_element = per_element_keys(optimizer.optim)
+        check_fits(index, shapes, dtypes, str(root / INDEX_FILE), per_element)
         _warn_other_optimizer(index, optimizer)
         return index, read_states(root, index, optimizer.plan.owned(optimizer.rank))
 
@@ -178,19 +180,24 @@ def read_states(path: Path, index: Index, indices: Iterable[int]) -> dict[int, d
     wanted = sorted(i for i in set(indices) if i in index.state)
     by_file: dict[str, list[TensorRef]] = {}
     for i in wanted:
-        for ref in index.state[i].values():
-            if isinstance(ref, TensorRef):
-                by_file.setdefault(ref.file, []).append(ref)
+        for entry in index.state[i].values():
+            for ref in entry.tensors if isinstance(entry, NestedValue) else (entry,):
+                if isinstance(ref, TensorRef):
+                    by_file.setdefault(ref.file, []).append(ref)
     tensors: dict[str, torch.Tensor] = {}
     with torch.profiler.record_function("oss_plus::checkpoint_read"):
-        for name, refs in by_file.items():
-            tensors.update(_read_file(path / name, refs, index.save_id, path / INDEX_FILE))
+        for name, listed in by_file.items():
+            tensors.update(_read_file(path / name, listed, index.save_id, path / INDEX_FILE))
+
+    def value_of(entry: Any, where: str) -> Any:
+        if isinstance(entry, TensorRef):
+            return tensors[entry.name]
+        if isinstance(entry, NestedValue):
+            return unflatten_value(entry.skeleton, [tensors[r.name] for r in entry.tensors], where)
+        return copy.deepcopy(entry.value)
+
     return {
-        i: {
-            k: tensors[v.name] if isinstance(v, TensorRef) else copy.deepcopy(v.value)
-            for k, v in index.state[i].items()
-        }
-        for i in wanted
+        i: {k: value_of(v, f"state[{i}][{k!r}]") for k, v in index.state[i].items()} for i in wanted
     }
 
 
@@ -235,15 +242,25 @@ def _read_tensor(handle: Any, file: Path, ref: TensorRef) -> torch.Tensor:
 
 
 def check_fits(
-    index: Index, shapes: Sequence[Sequence[torch.Size]], dtypes: Sequence[torch.dtype], where: str
+    index: Index,
+    shapes: Sequence[Sequence[torch.Size]],
+    dtypes: Sequence[torch.dtype],
+    where: str,
+    per_element: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Check that the checkpoint ``index`` belongs to params grouped as ``shapes``.
+
+    State tensors are checked exactly as an in-memory ``load_state_dict`` checks them
+    (:func:`oss_plus.state.state_shape_error`): only the keys of ``per_element`` must have
+    their param's shape; any other state may legally have any shape.
 
     Args:
         index: the parsed index.
         shapes: per group, the shape of each param of the optimizer being loaded.
         dtypes: the dtype of each param, by flat index.
         where: the index path, for messages.
+        per_element: the per-element state keys of the loading optimizer
+            (:func:`oss_plus.state.per_element_keys`).
 
     Raises:
         ValueError: another number of groups or params, or a param of another shape or dtype.
@@ -274,6 +291,7 @@ def check_fits(
             )
         for key, ref in index.state.get(i, {}).items():
             if isinstance(ref, TensorRef):
-                message = state_shape_error(i, key, torch.empty(ref.shape, device="meta"), shape)
+                meta = torch.empty(ref.shape, device="meta")
+                message = state_shape_error(i, key, meta, shape, per_element)
                 if message:
                     raise ValueError(f"{where}: {message}; {fix}")

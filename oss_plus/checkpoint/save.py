@@ -24,8 +24,6 @@ from oss_plus.checkpoint import background, comm, storage
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
     Index,
-    PlainValue,
-    TensorRef,
     decode_state,
     encode_groups,
     encode_state,
@@ -33,13 +31,15 @@ from oss_plus.checkpoint.format import (
 from oss_plus.checkpoint.plan import (
     Entries,
     SavePlan,
+    Slot,
     check_optimizer,
     describe,
     file_header,
-    file_order,
     layout_of,
     nbytes_of,
+    replace_slots,
     split_state,
+    tensor_slots,
 )
 from oss_plus.state import NOT_A_STATE_DICT, pack_param_groups, saved_state_by_flat_index
 
@@ -203,7 +203,7 @@ def _write_sharded(plan: SavePlan, group: Any) -> Index:
     if gathered is None:
         return plan.index
     files = {m["file"]: {"rank": m["rank"], "bytes": m["bytes"]} for m in gathered}
-    state: dict[int, dict[str, TensorRef | PlainValue]] = {}
+    state: Entries = {}
     for m in gathered:
         state.update(decode_state(m["state"], "gathered metadata", files))
     return replace(plan.index, files=files, state=dict(sorted(state.items())))
@@ -217,33 +217,34 @@ def _write_consolidated(plan: SavePlan, group: Any) -> Index:
     """
     gathered = comm.gather_json(encode_state(plan.refs()), group)
     if gathered is None:
-        tensors = [t for _, _, t in file_order(plan.entries)]
+        tensors = [t for _, _, t in tensor_slots(plan.entries)]
         sent_crcs, send_error = comm.send_tensors(tensors, group)
         comm.gather_json(sent_crcs, group)
         _dist.agree(send_error, group)
         return plan.index
     files = {plan.file_name: {"rank": 0, "bytes": 0}}
-    owner: dict[tuple[int, str], int] = {}
-    state: dict[int, dict[str, TensorRef | PlainValue]] = {}
+    owner: dict[Slot, int] = {}
+    state: Entries = {}
     for r, data in enumerate(gathered):
         decoded = decode_state(data, "gathered metadata", files)
-        owner.update({(i, k): r for i, e in decoded.items() for k in e})
+        owner.update({slot: r for slot, _, _ in tensor_slots(decoded)})
         state.update(decoded)
-    state = dict(sorted(state.items()))
-    items = file_order(state)
+    items = tensor_slots(state)
     size, crcs, error = _stream_to_file(plan, items, owner, group)
     remote = [iter(crcs_of_rank) for crcs_of_rank in comm.gather_json([], group) or []]
     _dist.agree(error, group, cleanup=_cleanup(plan))
-    for position, (i, k, ref) in enumerate(items):
-        crc = crcs[position] if owner[i, k] == 0 else next(remote[owner[i, k]])
-        state[i][k] = replace(ref, crc32=crc)
+    checked = {}
+    for position, (slot, _, ref) in enumerate(items):
+        crc = crcs[position] if owner[slot] == 0 else next(remote[owner[slot]])
+        checked[slot] = replace(ref, crc32=crc)
+    state = replace_slots(dict(sorted(state.items())), checked)
     return replace(plan.index, files={plan.file_name: {"rank": 0, "bytes": size}}, state=state)
 
 
 def _stream_to_file(
     plan: SavePlan,
-    items: list[tuple[int, str, Any]],
-    owner: Mapping[tuple[int, str], int],
+    items: list[tuple[Slot, str, Any]],
+    owner: Mapping[Slot, int],
     group: Any,
 ) -> tuple[int, dict[int, int], Exception | None]:
     """On the coordinator: open the consolidated file, receive and write every tensor, fsync."""
@@ -254,13 +255,10 @@ def _stream_to_file(
         writer = storage.open_writer(plan.stage / plan.file_name, header)
     except Exception as exc:  # noqa: BLE001 - the bytes are still received, then reported
         error = exc
+    mine = {slot: tensor for slot, _, tensor in tensor_slots(plan.entries)}
     sources = [
-        (
-            owner[i, k],
-            plan.entries[i][k] if owner[i, k] == 0 else None,
-            nbytes_of(ref.dtype, ref.shape),
-        )
-        for i, k, ref in items
+        (owner[slot], mine.get(slot) if owner[slot] == 0 else None, nbytes_of(ref.dtype, ref.shape))
+        for slot, _, ref in items
     ]
     crcs, write_error = comm.receive_to_file(sources, writer, len(header), group)
     error = error or write_error

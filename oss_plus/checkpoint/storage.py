@@ -29,9 +29,8 @@ from oss_plus.checkpoint.format import (
     Index,
     TensorRef,
     stage_path,
-    tensor_name,
 )
-from oss_plus.checkpoint.plan import Entries, file_header, file_order
+from oss_plus.checkpoint.plan import Entries, Slot, file_header, replace_slots, tensor_slots
 from oss_plus.checkpoint.values import dtype_name
 
 __all__ = [
@@ -158,21 +157,23 @@ def write_file(
 
     Args:
         file: the file to create.
-        entries: per flat index, state key -> tensor or :class:`PlainValue`.
+        entries: per flat index, state key -> tensor, :class:`PlainValue` or
+            :class:`NestedValue`.
         save_id: stored in the file's metadata.
         progress: called with ``(bytes written, bytes total)`` after every chunk.
 
     Returns:
-        The file size, and ``entries`` with every tensor replaced by its :class:`TensorRef`.
+        The file size, and ``entries`` with every tensor (nested ones too) replaced by its
+        :class:`TensorRef`.
     """
-    items = file_order(entries)
+    items = tensor_slots(entries)
     total = sum(t.numel() * t.element_size() for _, _, t in items)
-    refs: dict[tuple[int, str], TensorRef] = {}
+    refs: dict[Slot, TensorRef] = {}
     writer = open_writer(file, file_header(items, save_id))
     try:
         done = 0
         with torch.profiler.record_function("oss_plus::checkpoint_write"):
-            for i, key, tensor in items:
+            for slot, name, tensor in items:
                 crc = 0
                 for chunk in byte_chunks(tensor):
                     data = as_buffer(chunk)
@@ -181,17 +182,12 @@ def write_file(
                     done += len(data)
                     if progress is not None:
                         progress(done, total)
-                refs[i, key] = TensorRef(
-                    file.name,
-                    tensor_name(i, key),
-                    dtype_name(tensor.dtype, key),
-                    tuple(tensor.shape),
-                    crc,
-                )
+                dtype = dtype_name(tensor.dtype, name)
+                refs[slot] = TensorRef(file.name, name, dtype, tuple(tensor.shape), crc)
         size = writer.finish()
     finally:
         writer.close()
-    return size, {i: {k: refs.get((i, k), v) for k, v in e.items()} for i, e in entries.items()}
+    return size, replace_slots(entries, refs)
 
 
 # ----------------------------------------------------------------------------- staging

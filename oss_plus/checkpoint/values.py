@@ -3,17 +3,17 @@
 JSON alone cannot tell a tuple from a list, an int from a float, or store inf/nan, so every
 value that is not None, a bool, an int, a string or a list is wrapped in a one-key object
 naming its type (``{"float": 0.9}``, ``{"tuple": [...]}``). ``docs/checkpoints.md`` lists the
-tags.
+tags. The encoder and decoder are those of :mod:`oss_plus._nested` (also used for nested
+optimizer state); here tensors in param groups are stored inline (``tensor_bytes``).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 from typing import Any
 
 import torch
+
+from oss_plus._nested import decode, encode
 
 __all__ = [
     "MAX_INLINE_BYTES",
@@ -87,8 +87,20 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- values
+#: Raised for a value that has no JSON form.
+NOT_STORABLE = (
+    "{where} is a {kind} ({value!r}); a checkpoint stores tensors, None, bool, int, float, "
+    "str and lists/tuples/dicts of them: convert it to one of those"
+)
+#: Tag of a tensor stored inline (param groups only).
+INLINE_TAG = "tensor_bytes"
+
+
 def encode_value(value: Any, where: str) -> Any:
     """Encode a Python value as type-tagged JSON data (see the spec for the tags).
+
+    Tensors are stored inline (:data:`INLINE_TAG`); the tags are those of
+    :func:`oss_plus._nested.encode`.
 
     Raises:
         TypeError: ``value`` (or something inside it) has a type the format cannot store.
@@ -97,32 +109,7 @@ def encode_value(value: Any, where: str) -> Any:
         >>> encode_value((0.9, 1, None, float("inf")), "betas")
         {'tuple': [{'float': 0.9}, 1, None, {'float': 'inf'}]}
     """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, float):
-        return {"float": value if math.isfinite(value) else repr(value)}
-    if isinstance(value, (list, tuple)):
-        items = [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return items if isinstance(value, list) else {"tuple": items}
-    if isinstance(value, dict):
-        return {
-            "dict": [
-                [encode_value(k, f"{where} key"), encode_value(v, f"{where}[{k!r}]")]
-                for k, v in value.items()
-            ]
-        }
-    if isinstance(value, torch.Tensor):
-        return {"tensor_bytes": _inline_tensor(value, where)}
-    try:
-        return operator.index(value)  # int and integer-like scalars (numpy ints)
-    except TypeError:
-        pass
-    if isinstance(value, numbers.Real):  # float-like scalars (numpy floats)
-        return encode_value(float(value), where)
-    raise TypeError(
-        f"{where} is a {type(value).__name__} ({value!r}); a checkpoint stores tensors, None, "
-        "bool, int, float, str and lists/tuples/dicts of them: convert it to one of those"
-    )
+    return encode(value, where, _inline_tensor, NOT_STORABLE)
 
 
 def _inline_tensor(value: torch.Tensor, where: str) -> dict[str, Any]:
@@ -134,9 +121,11 @@ def _inline_tensor(value: torch.Tensor, where: str) -> dict[str, Any]:
             f"in the index and are limited to {MAX_INLINE_BYTES} bytes"
         )
     return {
-        "dtype": dtype_name(value.dtype, where),
-        "shape": list(value.shape),
-        "hex": data.view(torch.uint8).numpy().tobytes().hex(),
+        INLINE_TAG: {
+            "dtype": dtype_name(value.dtype, where),
+            "shape": list(value.shape),
+            "hex": data.view(torch.uint8).numpy().tobytes().hex(),
+        }
     }
 
 
@@ -146,32 +135,12 @@ def decode_value(data: Any, where: str) -> Any:
     Raises:
         ValueError: ``data`` is not valid tagged JSON data; the message names ``where``.
     """
-    if data is None or isinstance(data, (bool, int, str)):
-        return data
-    if isinstance(data, float):  # lenient: an untagged JSON float
-        return data
-    if isinstance(data, list):
-        return [decode_value(v, f"{where}[{i}]") for i, v in enumerate(data)]
-    if not isinstance(data, dict) or len(data) != 1:
-        raise ValueError(f"{where}: expected a tagged value, got {data!r}")
-    ((tag, body),) = data.items()
-    if tag == "float" and isinstance(body, (int, float)) and not isinstance(body, bool):
-        return float(body)
-    if tag == "float" and body in ("inf", "-inf", "nan"):
-        return float(body)
-    if tag == "tuple" and isinstance(body, list):
-        return tuple(decode_value(v, f"{where}[{i}]") for i, v in enumerate(body))
-    if (
-        tag == "dict"
-        and isinstance(body, list)
-        and all(isinstance(kv, list) and len(kv) == 2 for kv in body)
-    ):
-        try:
-            return {decode_value(k, where): decode_value(v, f"{where}[{k!r}]") for k, v in body}
-        except TypeError:
-            raise ValueError(f"{where}: a dict key is not hashable") from None
-    if tag == "tensor_bytes" and isinstance(body, dict):
-        dtype = torch_dtype(str(body.get("dtype")), where)
-        raw = bytearray.fromhex(str(body.get("hex", "")))
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(body["shape"]).clone()
-    raise ValueError(f"{where}: unknown or malformed tag {tag!r} in {data!r}")
+    return decode(data, where, INLINE_TAG, _decode_inline)
+
+
+def _decode_inline(body: Any, where: str) -> torch.Tensor:
+    if not isinstance(body, dict):
+        raise ValueError(f"{where}: malformed {INLINE_TAG} {body!r}")
+    dtype = torch_dtype(str(body.get("dtype")), where)
+    raw = bytearray.fromhex(str(body.get("hex", "")))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(body["shape"]).clone()
