@@ -2,7 +2,16 @@
 
 import pytest
 import torch
-from helpers import WORLD_IDS, WORLDS, batch, catch, clone_model, flat_params, make_model
+from helpers import (
+    WORLD_IDS,
+    WORLDS,
+    batch,
+    catch,
+    clone_model,
+    flat_params,
+    make_model,
+    params_equal,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler
@@ -187,8 +196,10 @@ def test_explicit_group_and_zero_redundancy_optimizer(pool, kind):
 
 
 def no_grads_task(ctx):
-    """A rank without any gradient (e.g. it got no batch) still joins and agrees."""
+    """A rank without any gradient (e.g. it got no batch) still joins and agrees; the next,
+    clean step is the plain optimizer's."""
     model = make_model()
+    ref_model = clone_model(model)
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
     scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
     opt.zero_grad()
@@ -200,12 +211,21 @@ def no_grads_task(ctx):
     before = flat_params(model)
     scaler.step(opt)
     scaler.update()
-    return torch.equal(before, flat_params(model)), scaler.get_scale()
+    skipped, scale = torch.equal(before, flat_params(model)), scaler.get_scale()
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**7)
+    for m, o, s in ((model, opt, scaler), (ref_model, ref, ref_scaler)):
+        o.zero_grad()
+        scaled_backward(m, s, batch(1))
+        s.step(o)
+        s.update()
+    return skipped, scale, params_equal(model, ref_model)
 
 
 def test_a_rank_without_gradients_joins_the_reduction(pool):
-    for skipped, scale in pool.run(no_grads_task, world_size=2, timeout=30):
+    for skipped, scale, exact in pool.run(no_grads_task, world_size=2, timeout=30):
         assert skipped and scale == 2.0**7
+        assert exact, "the step after the skipped one differs from plain SGD"
 
 
 def peer_error_task(ctx):
