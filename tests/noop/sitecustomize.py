@@ -10,7 +10,7 @@ worker) and in ``torchrun`` children, and breaks the library the same way everyw
 
 Example (see CONTRIBUTING.md, "Every test must fail on a no-op")::
 
-    OSS_PLUS_NOOP=step PYTHONPATH=tests/noop:. python -m pytest tests/test_amp.py -p no:cacheprovider
+    OSS_PLUS_NOOP=step PYTHONPATH=tests/noop:. python -m pytest tests/test_amp.py
 
 Every test that trains must then fail.
 """
