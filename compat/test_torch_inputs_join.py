@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import caught, clones, diff_loss, flat_params, make_diff_model, mixed_dtype_training
-from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch_cases import CLASSES, MODE_IDS, MODES, build
 
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
-from oss_plus.testing import PoolError
+from oss_plus.testing import PoolError, PoolTimeout, RemoteError
 
 pytestmark = pytest.mark.compat
 
@@ -121,22 +121,70 @@ def test_join_with_ddp_and_uneven_inputs(pool, bucket_view):
         assert torch.equal(r["ours"], results[0]["ours"])
 
 
+class _Notifier(Joinable):
+    """A joinable that only notifies the join context: put first, it makes torch's ZeRO a
+    second joinable, whose own notification is then a no-op (the reference setting)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def join_hook(self, **kwargs):
+        return JoinHook()
+
+    @property
+    def join_device(self):
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.group
+
+
 def join_alone_task(ctx, kind):
+    """Uneven inputs with the optimizer as the only joinable; ``reference``: torch's ZeRO
+    behind a :class:`_Notifier`."""
     m = make_diff_model()
-    opt = build(kind, m.parameters(), ctx, False, torch.optim.SGD, lr=0.1)
-    with Join([opt]):  # the optimizer is the only (hence first) joinable
+    opt = build(
+        "torch" if kind == "reference" else kind,
+        m.parameters(),
+        ctx,
+        False,
+        torch.optim.SGD,
+        lr=0.1,
+    )
+    notifier = _Notifier(ctx.group)
+    with Join([notifier, opt] if kind == "reference" else [opt]):
         for step in range(1 + ctx.rank):
+            if kind == "reference":
+                Join.notify_join_context(notifier)
             opt.zero_grad()
             diff_loss(m, step).backward()
             opt.step()
     return flat_params(m)
 
 
+def _failed_in_the_join_hook(error):
+    """Whether torch failed the way its join hook does: a hang, or every rank either died
+    (gloo aborts on the extra all_reduce) or raised from inside the hook's ``step()``."""
+    if isinstance(error, PoolTimeout):
+        return True
+    return isinstance(error, RemoteError) and all(
+        text.startswith("worker process died") or "in main_hook" in text
+        for text in error.failures.values()
+    )
+
+
 def test_join_with_the_optimizer_as_first_joinable(pool):
     """torch's join hook calls step(), which notifies the join context once more: with ZeRO
     as the first (or only) joinable the joined rank makes one all_reduce too many (gloo
-    aborts, or a hang). Ours shadows the step without notifying."""
-    with pytest.raises(PoolError):
+    aborts, or a hang). Ours shadows the step without notifying, and ends where torch's
+    ZeRO ends when another joinable comes first."""
+    with pytest.raises(PoolError) as failure:
         pool.run(join_alone_task, "torch", world_size=2, timeout=10)
+    assert _failed_in_the_join_hook(failure.value), failure.value
+    expected = pool.run(join_alone_task, "reference", world_size=2)
     results = pool.run(join_alone_task, "ours", world_size=2)
-    assert torch.equal(results[0], results[1])
+    assert not torch.equal(expected[0], flat_params(make_diff_model()))  # it trained
+    for got, ref in zip(results, expected):
+        assert torch.equal(got, ref), "differs from torch's ZeRO behind another joinable"

@@ -244,6 +244,34 @@ def transport(name: str | None) -> Iterator[None]:
             os.environ[TRANSPORT_ENV] = saved
 
 
+@contextlib.contextmanager
+def wire_traffic() -> Iterator[list[tuple[str, torch.dtype, int]]]:
+    """Record ``(collective, dtype, bytes)`` of every tensor the parameter sync hands to
+    ``torch.distributed`` inside the block: the broadcast tensor, or the whole output of an
+    all_gather (every rank's region). Measured at the call, not taken from the layout's own
+    bookkeeping (``wire_bytes()``)."""
+    import torch.distributed as dist
+
+    from oss_plus import sync
+
+    seen: list[tuple[str, torch.dtype, int]] = []
+    broadcast, gather = dist.broadcast, sync._all_gather_single
+
+    def counting_broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(("broadcast", tensor.dtype, tensor.numel() * tensor.element_size()))
+        return broadcast(tensor, *args, **kwargs)
+
+    def counting_gather(out: torch.Tensor, mine: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(("all_gather", out.dtype, out.numel() * out.element_size()))
+        return gather(out, mine, *args, **kwargs)
+
+    dist.broadcast, sync._all_gather_single = counting_broadcast, counting_gather
+    try:
+        yield seen
+    finally:
+        dist.broadcast, sync._all_gather_single = broadcast, gather
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

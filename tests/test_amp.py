@@ -2,7 +2,16 @@
 
 import pytest
 import torch
-from helpers import WORLD_IDS, WORLDS, batch, catch, clone_model, flat_params, make_model
+from helpers import (
+    WORLD_IDS,
+    WORLDS,
+    batch,
+    catch,
+    clone_model,
+    flat_params,
+    make_model,
+    params_equal,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler
@@ -187,8 +196,10 @@ def test_explicit_group_and_zero_redundancy_optimizer(pool, kind):
 
 
 def no_grads_task(ctx):
-    """A rank without any gradient (e.g. it got no batch) still joins and agrees."""
+    """A rank without any gradient (e.g. it got no batch) still joins and agrees; the next,
+    clean step is the plain optimizer's."""
     model = make_model()
+    ref_model = clone_model(model)
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
     scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
     opt.zero_grad()
@@ -200,12 +211,21 @@ def no_grads_task(ctx):
     before = flat_params(model)
     scaler.step(opt)
     scaler.update()
-    return torch.equal(before, flat_params(model)), scaler.get_scale()
+    skipped, scale = torch.equal(before, flat_params(model)), scaler.get_scale()
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**7)
+    for m, o, s in ((model, opt, scaler), (ref_model, ref, ref_scaler)):
+        o.zero_grad()
+        scaled_backward(m, s, batch(1))
+        s.step(o)
+        s.update()
+    return skipped, scale, params_equal(model, ref_model)
 
 
 def test_a_rank_without_gradients_joins_the_reduction(pool):
-    for skipped, scale in pool.run(no_grads_task, world_size=2, timeout=30):
+    for skipped, scale, exact in pool.run(no_grads_task, world_size=2, timeout=30):
         assert skipped and scale == 2.0**7
+        assert exact, "the step after the skipped one differs from plain SGD"
 
 
 def peer_error_task(ctx):
@@ -231,9 +251,24 @@ def test_an_unscale_error_on_one_rank_raises_on_every_rank(pool):
 
 # ------------------------------------------------------------------ the demo's --amp path
 def demo_amp_task(ctx):
-    from oss_plus.demo import amp_rank_main
+    """The demo's AMP rows, and how far its unsharded reference moved from the initial model
+    (what a sharded run that did nothing would differ by)."""
+    from oss_plus import demo
 
-    return amp_rank_main(ctx.rank, ctx.world_size, 6, 16, 2, group=ctx.group)
+    made, real = [], demo.DDP
+
+    def recording_ddp(module, **kwargs):
+        made.append((module, flat_params(module)))
+        return real(module, **kwargs)
+
+    demo.DDP = recording_ddp
+    try:
+        log = demo.amp_rank_main(ctx.rank, ctx.world_size, 12, 16, 2, group=ctx.group)
+    finally:
+        demo.DDP = real
+    plain, initial = made[1]
+    log["ref_moved"] = (flat_params(plain) - initial).abs().max().item()
+    return log
 
 
 def test_demo_amp_path_runs_the_recipe(pool):
@@ -246,21 +281,49 @@ def test_demo_amp_path_runs_the_recipe(pool):
         assert [row[2] for row in r["rows"]] == [row[2] for row in results[0]["rows"]]
         assert r["scale"] == r["ref_scale"] == results[0]["scale"]
         assert r["wire"] * 2 == r["wire_fp32"]
-        assert 0 < r["param_diff"] < 1e-2  # bf16 wire rounding, nothing worse
-    report = format_amp_report(results, 6)
+        # bf16 wire rounding, nothing worse: far closer to the unsharded run than the
+        # initial model (where a step that did nothing would stay) is
+        assert 0 < r["param_diff"] < r["ref_moved"] / 2
+    report = format_amp_report(results, 12)
     assert "identical on every rank: yes" in report and "(50%)" in report
     args = build_parser().parse_args(["demo", "--amp", "--steps", "3"])
     assert args.amp and args.func.__module__ == "oss_plus.demo"
 
 
 # ------------------------------------------------------------------ the recipe in docs/amp.md
-def docs_recipe_task(ctx, path):
+class PlainAdamW(torch.optim.AdamW):
+    """The recipe's reference: OSS's constructor and clip_grad_norm over an unsharded AdamW."""
+
+    def __init__(self, params, optim=None, group=None, broadcast_dtype=None, **kwargs):
+        super().__init__(params, **kwargs)
+
+    def clip_grad_norm(self, max_norm):
+        params = [p for g in self.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+class StillAdamW(PlainAdamW):
+    """:class:`PlainAdamW` whose step does nothing (what the recipe must differ from)."""
+
+    def step(self, closure=None):
+        return None
+
+
+def docs_recipe_task(ctx, path, optimizer=None):
+    """Run the recipe of docs/amp.md; with ``optimizer``, ``oss_plus.OSS`` is that class."""
+    import oss_plus
+
     with open(path) as f:
         text = f.read()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {"__name__": "docs_amp_recipe"}
-    exec(compile(code, path, "exec"), namespace)
-    return namespace["train"](steps=4, group=ctx.group)
+    real = oss_plus.OSS
+    oss_plus.OSS = optimizer or real
+    try:
+        exec(compile(code, path, "exec"), namespace)
+        return namespace["train"](steps=4, group=ctx.group)
+    finally:
+        oss_plus.OSS = real
 
 
 def test_the_recipe_in_docs_amp_md_runs(pool):
@@ -268,6 +331,16 @@ def test_the_recipe_in_docs_amp_md_runs(pool):
 
     path = str(Path(__file__).resolve().parent.parent / "docs" / "amp.md")
     results = pool.run(docs_recipe_task, path, world_size=2, timeout=60)
+    ref = pool.run(docs_recipe_task, path, PlainAdamW, world_size=2, timeout=60)
+    still = pool.run(docs_recipe_task, path, StillAdamW, world_size=2, timeout=60)
     (loss, norm, scale), (loss1, norm1, scale1) = results
     assert norm == norm1 and scale == scale1  # the same norm and scale on every rank
     assert loss > 0 and loss != loss1  # each rank had its own batch
+    for (loss, norm, scale), (ref_loss, ref_norm, ref_scale), (still_loss, _, _) in zip(
+        results, ref, still
+    ):
+        assert scale == ref_scale
+        # the unsharded AdamW's loss and norm, up to the bf16 wire: much closer to them than
+        # a run whose optimizer did nothing
+        assert abs(loss - ref_loss) < abs(still_loss - ref_loss) / 4
+        assert norm == pytest.approx(ref_norm, rel=1e-2)

@@ -446,3 +446,87 @@ def test_clipping_never_reads_a_tensor_on_the_host(pool):
     for l2, linf in pool.run(no_host_sync_task, world_size=2):
         assert l2 > 0.01  # it clipped ...
         assert 0 < linf <= 0.01 * (1 + 1e-5)  # ... so the max entry is now below max_norm
+
+
+# ------------------------------------------------------------------ the partial-sum path
+#: The ways into the float64 partial-sum path: ``group=`` another group over the same ranks
+#: (WORLD), an identity ``filter_params_fn``, and the fairscale adapter (which reduces over
+#: WORLD, so always takes it).
+PARTIAL_PATHS = ["group", "filter", "fairscale"]
+GRAD_CASES = {"finite": None, "nan": math.nan, "inf": math.inf}
+
+
+def partial_path_task(ctx, path, norm_type, poison, error_if_nonfinite):
+    """Clip on the partial-sum path with a NaN/inf (or nothing) in one grad of rank 1's
+    shard; the same through torch.nn.utils.clip_grad_norm_ on an unsharded copy."""
+    model = make_model()
+    ref_model = clone_model(model)
+    if path == "fairscale":
+        from oss_plus.compat.fairscale import OSS as FairscaleOSS
+
+        opt = FairscaleOSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    else:
+        opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+    kwargs = {"error_if_nonfinite": True} if error_if_nonfinite else {}
+    if path == "group":
+        kwargs["group"] = dist.group.WORLD
+    elif path == "filter":
+        kwargs["filter_params_fn"] = list
+    for m in (model, ref_model):
+        backward(m, 0)
+    target = next(i for i, q in enumerate(model.parameters()) if opt.param_to_rank[q] == 1)
+    if poison is not None:
+        list(ref_model.parameters())[target].grad.view(-1)[0] = poison
+        if ctx.rank == 1:  # only the owner holds it (the others never count this grad)
+            list(model.parameters())[target].grad.view(-1)[0] = poison
+    ours = catch(opt.clip_grad_norm, 0.05, norm_type, **kwargs)
+    ref = catch(
+        torch.nn.utils.clip_grad_norm_,
+        ref_model.parameters(),
+        0.05,
+        norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+    )
+    pairs = [
+        (p.grad, q.grad)
+        for p, q, own in zip(model.parameters(), ref_model.parameters(), owned_mask(opt))
+        if own
+    ]
+    same_grads = all(torch.allclose(g, r, rtol=1e-5, atol=0, equal_nan=True) for g, r in pairs)
+    return ours, ref, same_grads
+
+
+def _same_total(ours, ref):
+    ours, ref = float(ours), float(ref)
+    if math.isnan(ref):
+        return math.isnan(ours)
+    return ours == pytest.approx(ref, rel=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+@pytest.mark.parametrize("grads", sorted(GRAD_CASES))
+@pytest.mark.parametrize("path", PARTIAL_PATHS)
+def test_partial_sum_path_equals_torch_clip_grad_norm(pool, path, grads, norm_type):
+    """Norm, clipped grads and NaN/inf propagation equal torch's on the unsharded model."""
+    for ours, ref, same_grads in pool.run(
+        partial_path_task, path, norm_type, GRAD_CASES[grads], False, world_size=4
+    ):
+        assert ours[0] == ref[0] == "ok"
+        assert _same_total(ours[1], ref[1]), (ours, ref)
+        if grads == "finite":
+            assert ref[1] > 0.05  # it really clipped
+        assert same_grads, "the owned grads are not scaled like torch's"
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "inf"])
+@pytest.mark.parametrize("grads", ["nan", "inf"])
+@pytest.mark.parametrize("path", ["group", "filter"])
+def test_partial_sum_path_error_if_nonfinite_raises_on_every_rank(pool, path, grads, norm_type):
+    """torch raises RuntimeError before scaling anything; so does every rank here, though
+    only rank 1 holds the non-finite grad."""
+    results = pool.run(partial_path_task, path, norm_type, GRAD_CASES[grads], True, world_size=4)
+    for ours, ref, same_grads in results:
+        assert ref[0] == "RuntimeError"
+        total = math.nan if grads == "nan" else INF
+        assert ours == ("RuntimeError", NONFINITE.format(norm_type=norm_type, total=total))
+        assert same_grads  # nothing was scaled, as in torch

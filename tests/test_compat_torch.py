@@ -3,6 +3,8 @@
 The comparison with torch's class is in compat/test_torch_diff.py.
 """
 
+import copy
+
 import pytest
 import torch
 from helpers import (
@@ -15,6 +17,8 @@ from helpers import (
     loads_without_touching,
     make_model,
     mixed_dtype_training,
+    params_equal,
+    state_equal,
     train,
 )
 from torch.distributed.algorithms.join import Join, Joinable
@@ -109,6 +113,7 @@ def test_bucket_views_pack_params_back_to_back_largest_first(pool):
 
 def join_task(ctx):
     model = make_model()
+    ref_model = clone_model(model)
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
     )
@@ -117,19 +122,36 @@ def join_task(ctx):
             opt.zero_grad()
             backward(model, step)
             opt.step()
+    owners = [opt.param_to_rank[p] for p in model.parameters()]
     hook = opt.join_hook()
     return (
         flat_params(model),
+        joined_reference(ref_model, owners, ctx.world_size),
         opt.join_device,
         opt.join_process_group is ctx.group,
         type(hook).__name__,
     )
 
 
+def joined_reference(model, owners, world_size, lr=0.1):
+    """Plain SGD by hand for :func:`join_task`: rank ``r`` has ``r + 1`` batches; once out of
+    inputs its shadow step re-applies the gradients of its last batch to the params it owns
+    (as torch's hook, which calls ``step()``)."""
+    grads = []
+    for step in range(world_size):
+        model.zero_grad()
+        backward(model, step)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, (p, owner) in enumerate(zip(model.parameters(), owners)):
+                p.add_(grads[min(step, owner)][i], alpha=-lr)
+    return flat_params(model)
+
+
 def test_join_with_uneven_inputs_does_not_hang(pool):
     results = pool.run(join_task, world_size=3, timeout=30)
-    for params, device, same_group, hook in results:
-        assert torch.equal(params, results[0][0])
+    for params, ref, device, same_group, hook in results:
+        assert torch.equal(params, ref), "differs from plain SGD with the joined ranks' steps"
         assert device == torch.device("cpu") and same_group and hook == "_ZeroJoinHook"
 
 
@@ -137,6 +159,8 @@ def test_join_with_uneven_inputs_does_not_hang(pool):
 def added_frozen_task(ctx):
     model = make_model()
     extra = torch.nn.Linear(6, 6)
+    ref_model, ref_extra = clone_model(model), clone_model(extra)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     opt = ZeroRedundancyOptimizer(
         model.parameters(),
         torch.optim.SGD,
@@ -147,20 +171,24 @@ def added_frozen_task(ctx):
     inner = opt.optim
     extra.requires_grad_(False)
     opt.add_param_group({"params": list(extra.parameters())})
+    ref.add_param_group({"params": list(ref_extra.parameters())})
     extra.requires_grad_(True)
     for step in range(2):
-        opt.zero_grad()
         x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
-        model(extra(x)).sum().backward()
-        opt.step()
-    return flat_params(extra), len(opt._all_params), opt.optim is inner
+        for m, e, o in ((model, extra, opt), (ref_model, ref_extra, ref)):
+            o.zero_grad()
+            m(e(x)).sum().backward()
+            o.step()
+    exact = torch.equal(flat_params(extra), flat_params(ref_extra)) and torch.equal(
+        flat_params(model), flat_params(ref_model)
+    )
+    return exact, len(opt._all_params), opt.optim is inner
 
 
 def test_group_added_frozen_then_unfrozen_is_broadcast(pool):
-    """torch #1: the new params' trainability is tracked; the replicas stay identical."""
-    results = pool.run(added_frozen_task, world_size=2)
-    for extra, count, kept in results:
-        assert torch.equal(extra, results[0][0])
+    """torch #1: the new params' trainability is tracked; every rank equals plain SGD."""
+    for exact, count, kept in pool.run(added_frozen_task, world_size=2):
+        assert exact, "differs from plain SGD (the added group was not stepped or not synced)"
         assert count == 8 + 2 and kept
 
 
@@ -170,14 +198,19 @@ def state_task(ctx, sd):
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.AdamW, process_group=ctx.group, lr=0.01, fused=True
     )
+    ref_model = clone_model(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01, fused=True)
     unchanged = loads_without_touching(model, opt, sd)
+    ref.load_state_dict(copy.deepcopy(sd))
+    train(ref_model, ref, 1)
+    params_exact = torch.equal(flat_params(model), flat_params(ref_model))
     no_none = not any(v is None for v in opt.state.values())
     fused_step = {s["step"].device.type for s in opt.optim.state.values()}
     opt.consolidate_state_dict(to=1)
     mine = catch(opt.state_dict)
     local = opt._all_state_dicts
     bad_to = catch(opt.consolidate_state_dict, to=ctx.world_size)[0]
-    return unchanged, no_none, fused_step, mine, local, bad_to
+    return unchanged, no_none, fused_step, mine, local, bad_to, params_exact, ref.state_dict()
 
 
 def test_state_dict_round_trip_with_fused_adamw(pool):
@@ -187,13 +220,17 @@ def test_state_dict_round_trip_with_fused_adamw(pool):
     ref = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     train(model, ref, 2)
     results = pool.run(state_task, ref.state_dict(), world_size=3)
-    for rank, (unchanged, no_none, fused_step, mine, local, bad_to) in enumerate(results):
+    for rank, (unchanged, no_none, fused_step, mine, local, bad_to, exact, ref_sd) in enumerate(
+        results
+    ):
         assert unchanged and no_none and fused_step == {"cpu"}
+        assert exact, "the reloaded fused AdamW does not step like the plain one"
         assert bad_to == "ValueError"
         if rank != 1:
             assert mine == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank)) and local == []
             continue
         sd = mine[1]
+        assert state_equal(sd, ref_sd), "consolidated state differs from the plain AdamW's"
         assert len(local) == 3 and sorted(sd["state"]) == list(range(8))
         assert sum(len(s["state"]) for s in local) == 8
         assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values())
@@ -204,19 +241,23 @@ def trainability_task(ctx):
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
     )
+    ref_model = clone_model(model)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     inner = opt.optim
     owners = [opt._param_to_rank[p] for p in model.parameters()]
-    train(model, opt, 1)
-    model[0].requires_grad_(False)
-    train(model, opt, 1, start=1)
+    for m, o in ((model, opt), (ref_model, ref)):
+        train(m, o, 1)
+        m[0].requires_grad_(False)
+        train(m, o, 1, start=1)
     same_owners = owners == [opt._param_to_rank[p] for p in model.parameters()]
-    return opt.optim is inner, same_owners, flat_params(model)
+    return opt.optim is inner, same_owners, params_equal(model, ref_model)
 
 
 def test_freezing_keeps_the_partition_and_the_local_optimizer(pool):
     results = pool.run(trainability_task, world_size=2)
-    for kept, same_owners, params in results:
-        assert kept and same_owners and torch.equal(params, results[0][2])
+    for kept, same_owners, exact in results:
+        assert kept and same_owners
+        assert exact, "differs from plain SGD with the same param frozen"
 
 
 def mixed_dtype_task(ctx):

@@ -1,33 +1,22 @@
 """Compressed parameter sync (broadcast_fp16 / broadcast_dtype), tested through OSS."""
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import TRANSPORTS, WORLD_IDS, WORLDS, backward, clone_model, make_model, transport
+from helpers import (
+    TRANSPORTS,
+    WORLD_IDS,
+    WORLDS,
+    backward,
+    clone_model,
+    make_model,
+    transport,
+    wire_traffic,
+)
 
 from oss_plus import OSS
 from oss_plus.sync import wire_dtype_for
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@contextlib.contextmanager
-def count_broadcasts():
-    """Record (dtype, bytes) of every tensor passed to torch.distributed.broadcast."""
-    seen = []
-    original = dist.broadcast
-
-    def counting(tensor, *args, **kwargs):
-        seen.append((tensor.dtype, tensor.numel() * tensor.element_size()))
-        return original(tensor, *args, **kwargs)
-
-    dist.broadcast = counting
-    try:
-        yield seen
-    finally:
-        dist.broadcast = original
 
 
 def set_wire(opt, wire):
@@ -151,9 +140,9 @@ def bytes_task(ctx):
             set_wire(opt, wire)
         opt.zero_grad()
         backward(model, step)
-        with count_broadcasts() as seen:
+        with wire_traffic() as seen:
             opt.step()
-        out.setdefault(wire, []).append((sum(b for _, b in seen), {d for d, _ in seen}))
+        out.setdefault(wire, []).append((sum(b for _, _, b in seen), {d for _, d, _ in seen}))
         out[f"{wire}-wire_bytes"] = opt.sync_buckets.wire_bytes(opt.wire_dtype)
         ptrs[step] = [
             (id(b), dt, t.data_ptr()) for b in opt.sync_buckets.buckets for dt, t in b.wire.items()
@@ -185,7 +174,7 @@ def bf16_params_task(ctx, wire):
         opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
     set_wire(opt, wire)
     ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
-    with count_broadcasts() as seen:
+    with wire_traffic() as seen:
         for step in range(3):
             for m, o in ((model, opt), (ref_model, ref)):
                 o.zero_grad()
@@ -193,9 +182,9 @@ def bf16_params_task(ctx, wire):
                 m(x.bfloat16()).float().pow(2).mean().backward()
                 o.step()
     exact = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
-    sent = sum(b for _, b in seen) // 3
+    sent = sum(b for _, _, b in seen) // 3
     dtypes = [p.dtype for p in model.parameters()]
-    return dtypes, {d for d, _ in seen}, exact, sent, opt.sync_buckets.wire_bytes(None)
+    return dtypes, {d for _, d, _ in seen}, exact, sent, opt.sync_buckets.wire_bytes(None)
 
 
 @pytest.mark.parametrize("wire", sorted(WIRES))
@@ -224,7 +213,7 @@ def mixed_task(ctx, wire):
         opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=1e-3)
     set_wire(opt, wire)
     ref_opt = torch.optim.SGD(ref, lr=1e-3)
-    with count_broadcasts() as seen:
+    with wire_traffic() as seen:
         for step in range(3):
             for ps, o in ((params, opt), (ref, ref_opt)):
                 o.zero_grad()
@@ -239,10 +228,10 @@ def mixed_task(ctx, wire):
         "owned": owned,
         "params": [p.detach().clone() for p in params],
         "ref": [p.detach().clone() for p in ref],
-        "sent": sum(b for _, b in seen) // 3,
+        "sent": sum(b for _, _, b in seen) // 3,
         "wire_bytes": opt.sync_buckets.wire_bytes(WIRES[wire]),
         "numel": by_dtype,
-        "wire_dtypes": {d for d, _ in seen},
+        "wire_dtypes": {d for _, d, _ in seen},
     }
 
 

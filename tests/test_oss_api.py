@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from helpers import (
     backward,
+    batch,
     catch,
     clone_model,
     flat_params,
@@ -232,17 +233,27 @@ def test_mixed_dtypes_and_an_empty_first_group(pool):
 
 
 def independent_groups_task(ctx):
+    """Ranks (0, 1) and (2, 3) train the same model on different data, each over its own
+    group; each must equal plain Adam on its own data."""
     mine = ctx.groups[(0, 1)] if ctx.global_rank < 2 else ctx.groups[(2, 3)]
-    model = make_model(seed=ctx.global_rank // 2)
+    model = make_model()
+    ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, group=mine, lr=0.01)
-    train(model, opt, 2)
-    return flat_params(model)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    pair = ctx.global_rank // 2
+
+    def loss_fn(m, step):
+        return m(batch(step, rank=pair)).pow(2).mean()
+
+    train(model, opt, 2, loss_fn=loss_fn)
+    train(ref_model, ref, 2, loss_fn=loss_fn)
+    return flat_params(model), params_equal(model, ref_model)
 
 
 def test_two_independent_groups_at_once(pool):
     r = pool.run(independent_groups_task, ranks=(0, 1, 2, 3))
-    assert torch.equal(r[0], r[1]) and torch.equal(r[2], r[3])
-    assert not torch.equal(r[0], r[2])
+    assert all(exact for _, exact in r), "a group differs from plain Adam on its data"
+    assert not torch.equal(r[0][0], r[2][0])  # the groups did not mix
 
 
 # ------------------------------------------------------------------ trainability
@@ -392,16 +403,21 @@ def test_consolidate_state_dict_on_one_or_all_ranks(pool, recipient):
 
 def all_ranks_task(ctx):
     model = make_model()
+    ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
-    train(model, opt, 1)
-    sd = opt.state_dict(all_ranks=True)
-    train(model, opt, 1, start=1)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, 2)
+    train(ref_model, ref, 2)
+    sd = opt.state_dict(all_ranks=True)  # like torch's, it references the live state
+    equal = state_equal(sd, ref.state_dict())
+    train(model, opt, 1, start=2)
     stale = catch(opt.state_dict)
-    return sorted(sd["state"]), stale[0]
+    return equal, sorted(sd["state"]), stale[0]
 
 
 def test_state_dict_all_ranks_and_the_copy_is_dropped_at_the_next_step(pool):
-    for keys, stale in pool.run(all_ranks_task, ranks=(2, 3)):
+    for equal, keys, stale in pool.run(all_ranks_task, ranks=(2, 3)):
+        assert equal, "state_dict(all_ranks=True) differs from the plain SGD's on this rank"
         assert keys == list(range(8))
         assert stale == "RuntimeError"
 
@@ -571,15 +587,17 @@ def test_no_process_group_gives_a_clear_error():
 
 def default_group_task(ctx):
     model = make_model()
+    ref_model = clone_model(model)
     opt = OSS(model.parameters(), lr=0.1)  # group=None -> WORLD
-    train(model, opt, 1)
-    return opt.world_size, flat_params(model)
+    train(model, opt, 2)
+    train(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), 2)
+    return opt.world_size, params_equal(model, ref_model)
 
 
 def test_group_none_means_world(pool):
-    results = pool.run(default_group_task, world_size=4)
-    assert all(ws == dist_ws for (ws, _), dist_ws in zip(results, [4] * 4))
-    assert all(torch.equal(r[1], results[0][1]) for r in results)
+    for world_size, exact in pool.run(default_group_task, world_size=4):
+        assert world_size == 4
+        assert exact, "differs from plain SGD"
 
 
 def _holds_tensor(obj):

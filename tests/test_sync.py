@@ -12,6 +12,7 @@ from helpers import (
     make_model,
     train_in_lockstep,
     transport,
+    wire_traffic,
 )
 from torch.profiler import ProfilerActivity, profile
 
@@ -107,23 +108,31 @@ def compressed_task(ctx, kind, wire):
             params, optim=torch.optim.SGD, group=ctx.group, lr=1e-4, broadcast_dtype=WIRES[wire]
         )
     exact = [p.detach().clone() for p in params]
+    traffic = []
     for step in range(3):
         opt.zero_grad()
         sum((p * (i + step + 1)).sum() for i, p in enumerate(params)).backward()
-        opt.step()
+        with wire_traffic() as seen:
+            opt.step()
+        traffic.append(seen)
         with torch.no_grad():
             for i, e in enumerate(exact):
                 e.sub_(1e-4 * (i + step + 1))
     owned = [opt.param_to_rank[p] == ctx.rank for p in params]
-    sent = opt.sync_buckets.wire_bytes(WIRES[wire])
-    full = opt.sync_buckets.wire_bytes(None)
+    values = [p.detach().clone() for p in params]
+    opt.broadcast_dtype = None  # one more step, uncompressed
+    with wire_traffic() as seen:
+        opt.step()
+    full = sum(b for _, _, b in seen)
+    sent = [sum(b for _, _, b in seen) for seen in traffic]  # measured at the collectives
+    dtypes = {d for seen in traffic for _, d, _ in seen}
     return (
         owned,
-        [p.detach().clone() for p in params],
+        values,
         exact,
         sent,
-        full,
-        opt.sync_buckets.transports(),
+        (full, dtypes),
+        {via for seen in traffic for via, _, _ in seen},
     )
 
 
@@ -137,9 +146,10 @@ def test_owners_keep_exact_values_and_replicas_get_the_rounded_copy(pool, kind, 
         for i, mine in enumerate(owned):
             if mine:
                 owner_values[i] = values[i]
-    for owned, values, exact, sent, full, via in results:
-        assert set(via) == {kind}
-        assert sent * 2 == full  # half the bytes on the wire
+    for owned, values, exact, sent, (full, dtypes), via in results:
+        assert via == {kind}  # the collective the transport names was called
+        assert dtypes == {WIRES[wire]}  # only the wire dtype travelled
+        assert sent == [full // 2] * 3  # half the bytes of an uncompressed sync, every step
         for i, value in enumerate(values):
             if owned[i]:  # the owner never rounds its own weights
                 torch.testing.assert_close(value, exact[i], rtol=0, atol=1e-6)

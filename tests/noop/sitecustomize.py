@@ -1,0 +1,54 @@
+"""Opt-in check that the suite fails when the optimizer does nothing (never imported by pytest).
+
+Put this directory first on ``PYTHONPATH`` and name a mutant in ``OSS_PLUS_NOOP``; Python
+imports this ``sitecustomize`` at start-up in pytest, in the pool's forkserver (so in every
+worker) and in ``torchrun`` children, and breaks the library the same way everywhere:
+
+* ``step``: ``OSS.step`` only runs the closure (no local step, no sync);
+* ``local``: the inner optimizer's step does nothing, the sync still runs;
+* ``sync``: the local step runs, the parameter sync does nothing (replicas diverge).
+
+Example (see CONTRIBUTING.md, "Every test must fail on a no-op")::
+
+    OSS_PLUS_NOOP=step PYTHONPATH=tests/noop:. python -m pytest tests/test_amp.py
+
+Every test that trains must then fail.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_MODE = os.environ.get("OSS_PLUS_NOOP", "")
+
+
+def _install(mode: str) -> None:
+    from oss_plus import OSS
+    from oss_plus.sync import BucketSync
+
+    real_step = OSS.step
+
+    def closure_only(self: Any, closure: Any = None, **kwargs: Any) -> Any:
+        return closure() if closure is not None else None
+
+    def inner_noop(self: Any, closure: Any = None, **kwargs: Any) -> Any:
+        self.optim.step = lambda closure=None, **kw: closure() if closure is not None else None
+        return real_step(self, closure, **kwargs)
+
+    def no_sync(self: Any, wire: Any = None, error: Any = None) -> None:
+        if error is not None:
+            raise error
+
+    if mode == "step":
+        OSS.step = closure_only  # type: ignore[method-assign]
+    elif mode == "local":
+        OSS.step = inner_noop  # type: ignore[method-assign]
+    elif mode == "sync":
+        BucketSync.sync = no_sync  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"OSS_PLUS_NOOP={mode!r}: expected step, local or sync")
+
+
+if _MODE:
+    _install(_MODE)
