@@ -20,6 +20,8 @@ import contextlib
 import copy
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -27,6 +29,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from oss_plus.sync import TRANSPORT_ENV
+
+#: The repository root (the checkout the tests run from).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ------------------------------------------------------------------ process groups
 #: The process-group configurations every distributed behaviour is checked on.
@@ -471,3 +476,29 @@ def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
 def caught(ctx: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
     """Pool task: run ``fn(ctx, *args, **kwargs)`` and return :func:`catch`'s result."""
     return catch(fn, ctx, *args, **kwargs)
+
+
+def run_python(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` from the repository root in a fresh interpreter; assert exit 0."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env if env is not None else {**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def sgd_pair(ctx: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any, torch.optim.SGD]:
+    """A model under ``OSS`` (SGD with momentum) over ``ctx.group`` and its unsharded twin."""
+    from oss_plus import OSS
+
+    model = make_model()
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
+    return model, ref_model, opt, torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)

@@ -5,13 +5,11 @@ Each scenario runs in a fresh interpreter, where an import hook placed first on
 working fairscale is in compat/test_fairscale_diff.py.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from oss_plus._launch import free_port
 
@@ -101,17 +99,7 @@ SCENARIO = textwrap.dedent(
 
 def _run_ok(script: str) -> None:
     """Run ``script`` in a fresh interpreter; it must exit 0 and print OK last."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("OK")
+    assert run_python(["-c", script], timeout=120).stdout.strip().endswith("OK")
 
 
 @pytest.mark.parametrize("finder", ["Hide", "Broken"])

@@ -7,22 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
 def run(args: list[str], timeout: float = 180.0) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+    return run_python(args, env=env, timeout=timeout).stdout
 
 
 def torchrun(script: str, *args: str, nproc: int = 2) -> str:
@@ -133,24 +126,8 @@ def test_fairscale_sdp_example_runs_without_fairscale(tmp_path):
         [sys.executable, "-c", "import fairscale"], env=env, capture_output=True, text=True
     )
     assert check.returncode != 0 and "No module named 'fairscale'" in check.stderr
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(EXAMPLES / "fairscale_sdp.py"),
-            "--steps",
-            "3",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = run_python([*script, str(EXAMPLES / "fairscale_sdp.py"), "--steps", "3"], env=env)
     assert "fairscale served by oss_plus: True" in proc.stdout
     assert "ShardedDataParallel is oss_plus.data_parallel.sharded_ddp" in proc.stdout
     assert "step    2" in proc.stdout

@@ -13,6 +13,7 @@ from helpers import (
     flat_params,
     make_model,
     params_equal,
+    sgd_pair,
     state_equal,
     train,
 )
@@ -190,10 +191,7 @@ def test_one_preallocated_flat_bucket_per_owner_and_frozen_params_never_sent(poo
 
 
 def realloc_task(ctx):
-    model = make_model()
-    ref_model = clone_model(model)
-    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
-    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    model, ref_model, opt, ref = sgd_pair(ctx)
     train(model, opt, 1)
     train(ref_model, ref, 1)
     for p in model.parameters():  # what module.to(...) / .double().float() does
@@ -402,10 +400,7 @@ def test_consolidate_state_dict_on_one_or_all_ranks(pool, recipient):
 
 
 def all_ranks_task(ctx):
-    model = make_model()
-    ref_model = clone_model(model)
-    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
-    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    model, ref_model, opt, ref = sgd_pair(ctx)
     train(model, opt, 2)
     train(ref_model, ref, 2)
     sd = opt.state_dict(all_ranks=True)  # like torch's, it references the live state

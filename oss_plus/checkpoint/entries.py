@@ -1,0 +1,156 @@
+"""The per-parameter state entries of a checkpoint index: pure, no I/O, no collectives.
+
+Each state key of a param is a :class:`TensorRef` (a tensor in a data file), a
+:class:`PlainValue` (type-tagged JSON) or, from format version 2, a :class:`NestedValue`
+(a JSON skeleton of a container whose tensors are in data files, named by
+:func:`nested_names`). ``docs/checkpoints.md`` is the specification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from oss_plus._nested import tensor_paths, unflatten_value
+from oss_plus.checkpoint.values import decode_value, encode_value, torch_dtype
+
+__all__ = [
+    "NestedValue",
+    "PlainValue",
+    "TensorRef",
+    "decode_state",
+    "encode_state",
+    "nested_names",
+    "tensor_name",
+]
+
+
+def tensor_name(index: int, key: str) -> str:
+    """Return the name of state tensor ``key`` of flat index ``index`` inside a file.
+
+    A tensor inside a container value is named ``tensor_name(index, key) + "/" + path``
+    (:func:`nested_names`).
+
+    Example:
+        >>> tensor_name(3, "exp_avg")
+        'state.3.exp_avg'
+    """
+    return f"state.{index}.{key}"
+
+
+def nested_names(index: int, key: str, skeleton: Any) -> list[str]:
+    """Return the file names of the tensors of a container value, in tensor-number order.
+
+    Each is ``state.<index>.<key>/<path>`` with the path of
+    :func:`oss_plus._nested.tensor_paths` (dict keys and list positions joined by ``/``).
+
+    Example:
+        >>> nested_names(3, "pre", {"dict": [["mats", [{"tensor": 0}, {"tensor": 1}]]]})
+        ['state.3.pre/mats/0', 'state.3.pre/mats/1']
+    """
+    return [f"{tensor_name(index, key)}/{path}" for path in tensor_paths(skeleton)]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a state tensor lives: file, name inside it, dtype string, shape, CRC-32."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "crc32": self.crc32,
+        }
+
+
+@dataclass(frozen=True)
+class PlainValue:
+    """A non-tensor state value (int, float, bool, None, str, or containers of them)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class NestedValue:
+    """A state value holding tensors inside lists, tuples or dicts (format version 2).
+
+    ``skeleton`` is the value as type-tagged JSON (:func:`oss_plus._nested.flatten_value`)
+    in which ``{"tensor": n}`` stands for ``tensors[n]``. The tensors are live tensors in a
+    save's entries before they are written and :class:`TensorRef` after (and in an index).
+    """
+
+    skeleton: Any
+    tensors: tuple[Any, ...]
+
+
+def encode_state(
+    state: Mapping[int, Mapping[str, TensorRef | PlainValue | NestedValue]],
+) -> dict[str, Any]:
+    """Encode per-param state entries (``TensorRef``, ``PlainValue``, ``NestedValue``).
+
+    Raises:
+        TypeError: a plain value cannot be stored.
+    """
+    return {str(i): {k: _encode_entry(v, i, k) for k, v in state[i].items()} for i in sorted(state)}
+
+
+def _encode_entry(entry: TensorRef | PlainValue | NestedValue, i: int, key: str) -> dict[str, Any]:
+    if isinstance(entry, TensorRef):
+        return {"tensor": entry.to_json()}
+    if isinstance(entry, NestedValue):
+        return {"nested": entry.skeleton, "tensors": [ref.to_json() for ref in entry.tensors]}
+    return {"value": encode_value(entry.value, f"state {i} key {key!r}")}
+
+
+def decode_state(
+    data: Mapping[str, Any], where: str, files: Mapping[str, Any]
+) -> dict[int, dict[str, TensorRef | PlainValue | NestedValue]]:
+    """Decode what :func:`encode_state` produced; every file must be one of ``files``.
+
+    Raises:
+        ValueError: a malformed entry (named by index and key) or an unlisted file.
+    """
+    return {
+        int(i): {
+            k: _parse_entry(e, f"{where}: state {i} key {k!r}", files) for k, e in entries.items()
+        }
+        for i, entries in data.items()
+    }
+
+
+def _parse_entry(
+    entry: Any, where: str, files: Mapping[str, Any]
+) -> TensorRef | PlainValue | NestedValue:
+    if "value" in entry:
+        return PlainValue(decode_value(entry["value"], where))
+    if "nested" in entry:
+        refs = tuple(_parse_ref(ref, where, files) for ref in entry["tensors"])
+        unflatten_value(entry["nested"], refs, where)  # raises ValueError if malformed
+        placeholders = len(tensor_paths(entry["nested"]))
+        if placeholders != len(refs):
+            raise ValueError(f"{where}: {placeholders} tensor placeholders for {len(refs)} tensors")
+        return NestedValue(entry["nested"], refs)
+    return _parse_ref(entry["tensor"], where, files)
+
+
+def _parse_ref(ref: Any, where: str, files: Mapping[str, Any]) -> TensorRef:
+    parsed = TensorRef(
+        str(ref["file"]),
+        str(ref["name"]),
+        str(ref["dtype"]),
+        tuple(int(s) for s in ref["shape"]),
+        int(ref["crc32"]),
+    )
+    torch_dtype(parsed.dtype, where)
+    if parsed.file not in files:
+        raise ValueError(f"{where}: refers to file {parsed.file!r}, which the index does not list")
+    return parsed
