@@ -27,18 +27,17 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
 from oss_plus._launch import run_local
+from oss_plus.bench.measure import PeakRSS, rss
 from oss_plus.checkpoint import staging_nbytes
 
 __all__ = ["main", "run"]
@@ -78,27 +77,6 @@ def _tensors(opt: OSS) -> dict[str, torch.Tensor]:
     }
 
 
-class _Peak:
-    """The largest RSS of this process seen every 5 ms while active."""
-
-    def __init__(self) -> None:
-        self.peak, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        process = psutil.Process()
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, process.memory_info().rss)
-
-    def __enter__(self) -> _Peak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _save_side(rank: int, world: int, params_m: float, reps: int, root: str) -> dict[str, Any]:
     model = _model(params_m)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4)
@@ -114,13 +92,13 @@ def _save_side(rank: int, world: int, params_m: float, reps: int, root: str) -> 
             nonlocal future
             future = save_checkpoint(opt, f"{root}/ours_async", blocking=False)
 
-        steady = max(steady, psutil.Process().memory_info().rss)
-        with _Peak() as rss:
+        steady = max(steady, rss())
+        with PeakRSS(interval=0.005) as peak_rss:
             stall.append(_timed(start))
             while not future.done():
                 busy.append(_step(model, opt))
             future.result()
-        peak = max(peak, rss.peak)
+        peak = max(peak, peak_rss.peak)
         dist.barrier()
         tensors = _tensors(opt)
         writer = dcp.FileSystemWriter(f"{root}/dcp", sync_files=True)
