@@ -39,10 +39,11 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "alignment",
     "bucket_numel",
     "build_sync",
+    "transport_override",
     "wire_dtype_for",
 ]
 
@@ -352,3 +354,24 @@ def build_sync(
     if policy.layout is Layout.ORDERED_BUCKETS:
         return BucketSync(ordered_buckets(by_local), group)
     return BucketSync(per_param(by_local), group)
+
+
+@contextlib.contextmanager
+def transport_override(name: str | None) -> Iterator[None]:
+    """Within the block, ``transport="auto"`` means ``name`` (:data:`TRANSPORT_ENV`; None:
+    as configured). Syncs built inside keep their transport after the block.
+
+    Example:
+        >>> with transport_override("all_gather"):  # doctest: +SKIP
+        ...     opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    """
+    saved = os.environ.get(TRANSPORT_ENV)
+    if name is not None:
+        os.environ[TRANSPORT_ENV] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(TRANSPORT_ENV, None)
+        else:
+            os.environ[TRANSPORT_ENV] = saved

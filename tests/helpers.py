@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus.sync import TRANSPORT_ENV
+from oss_plus.sync import transport_override as transport  # noqa: F401 - shared name
 
 #: The repository root (the checkout the tests run from).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,21 +232,6 @@ class KwargSGD(torch.optim.SGD):
         for group in self.param_groups:
             group["seen_scale"] = scale
         return super().step(closure)
-
-
-@contextlib.contextmanager
-def transport(name: str | None) -> Iterator[None]:
-    """Build the optimizers made inside with the ``name`` sync transport (None: as configured)."""
-    saved = os.environ.get(TRANSPORT_ENV)
-    if name is not None:
-        os.environ[TRANSPORT_ENV] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(TRANSPORT_ENV, None)
-        else:
-            os.environ[TRANSPORT_ENV] = saved
 
 
 @contextlib.contextmanager

@@ -7,10 +7,8 @@ holds, the bytes one step puts on the wire, and a gradient-clipping call.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +18,7 @@ import torch.distributed as dist
 from oss_plus import OSS
 from oss_plus.demo import state_bytes
 from oss_plus.partition import ParamSpec, Rule, assign_owners
-from oss_plus.sync import TRANSPORT_ENV
+from oss_plus.sync import transport_override
 
 #: Optimizers selectable with ``--optimizer``: class and keyword arguments.
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -92,24 +90,10 @@ def _torch_clip(params: list[torch.nn.Parameter]) -> Callable[[float], Any]:
     return lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-@contextlib.contextmanager
-def _transport(value: str | None) -> Iterator[None]:
-    old = os.environ.get(TRANSPORT_ENV)
-    if value is not None:
-        os.environ[TRANSPORT_ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(TRANSPORT_ENV, None)
-        else:
-            os.environ[TRANSPORT_ENV] = old
-
-
 def _oss(wire: torch.dtype | None = None, transport: str | None = None) -> Callable[..., Runner]:
     def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
         cls, kwargs = OPTIMIZERS[optimizer]
-        with _transport(transport):
+        with transport_override(transport):
             opt = OSS(params, optim=cls, broadcast_dtype=wire, **kwargs)
         clip = getattr(opt, "clip_grad_norm", None)
         via = ",".join(sorted(opt.sync_buckets.transports())) or "none"
