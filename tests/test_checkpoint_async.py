@@ -206,3 +206,26 @@ def test_a_process_ending_with_a_save_in_flight(tmp_path, kill, sharded):
     assert time.monotonic() - began > 1.0
     steps = {float(s["step"]) for s in read_state_dict(root)["state"].values()}
     assert steps == ({1.0} if kill else {2.0})  # whole: the first save, or the second
+
+
+def test_the_writer_thread_yields_the_cpu_to_training():
+    """The background writer runs at WRITER_NICENESS; the training's threads keep theirs."""
+    import os
+    import threading
+
+    from oss_plus.checkpoint import background
+
+    if not hasattr(os, "setpriority"):
+        pytest.skip("no per-thread priorities on this platform")
+    seen: list[int] = []
+
+    def writer() -> None:
+        background._lower_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen == [max(before, background.WRITER_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -17,6 +17,7 @@ import atexit
 import copy
 import datetime
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,9 @@ PREVIOUS_SAVE_FAILED = (
 )
 #: Timeout of the checkpoint process group (a peer that died fails the save after it).
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+#: Niceness of the background writer thread (0-19; higher yields more CPU to training).
+WRITER_NICENESS = 10
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
 _SAVERS: weakref.WeakKeyDictionary[Any, Saver] = weakref.WeakKeyDictionary()
@@ -128,6 +132,7 @@ class Saver:
         future.set_running_or_notify_cancel()
 
         def run() -> None:
+            _lower_priority()
             try:
                 job()
             except BaseException as exc:  # noqa: BLE001 - delivered by the future
@@ -141,6 +146,21 @@ class Saver:
         _THREADS.add(thread)
         thread.start()
         return future
+
+
+def _lower_priority() -> None:
+    """Give the calling thread the niceness :data:`WRITER_NICENESS` (Linux: per thread).
+
+    The writer then takes only the CPU the training's threads leave: the save finishes a
+    little later, the training steps run closer to their quiet speed. Elsewhere a no-op.
+    """
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, max(WRITER_NICENESS, os.getpriority(os.PRIO_PROCESS, tid))
+        )
+    except (AttributeError, OSError):  # no setpriority (Windows) or not permitted
+        logger.debug("could not lower the priority of the checkpoint writer thread")
 
 
 def saver_of(optimizer: Any) -> Saver:
