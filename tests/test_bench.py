@@ -142,8 +142,9 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
 def test_async_checkpoint_bench_measures_against_dcp():
     """The async rows run from the CLI and every figure is a real, positive measurement.
 
-    Run as a subprocess, as a user would: in-process under pytest's output capture the
-    DCP rows of this bench stall (not understood yet; the bench itself runs in seconds).
+    Run as a subprocess, as a user would. (It once hung one run in two: each rank stopped
+    stepping when its own save was done, so the ranks' collectives no longer matched; the
+    ranks now agree before every step.)
     """
     argv = ["bench", "--async-checkpoint", "--size", "0.2", "--world-size", "2", "--rounds", "1"]
     done = subprocess.run(

@@ -77,6 +77,17 @@ def _tensors(opt: OSS) -> dict[str, torch.Tensor]:
     }
 
 
+def _all_done(future: Any) -> bool:
+    """True once the save of every rank is done (one tiny all_reduce on the default group).
+
+    A rank must not decide alone to stop stepping: ``OSS.step`` is collective, and a rank
+    whose own save finished first would wait in the next collective while the others step.
+    """
+    flag = torch.tensor([int(future.done())], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _save_side(rank: int, world: int, params_m: float, reps: int, root: str) -> dict[str, Any]:
     model = _model(params_m)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4)
@@ -95,7 +106,7 @@ def _save_side(rank: int, world: int, params_m: float, reps: int, root: str) -> 
         steady = max(steady, rss())
         with PeakRSS(interval=0.005) as peak_rss:
             stall.append(_timed(start))
-            while not future.done():
+            while not _all_done(future):  # every rank steps as often: steps are collective
                 busy.append(_step(model, opt))
             future.result()
         peak = max(peak, peak_rss.peak)
