@@ -335,7 +335,8 @@ class OSS(ShardedStateDict, Optimizer):
             error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
 
         Returns:
-            The total norm before clipping (float32; float64 for float64 models).
+            The total norm before clipping (float32; float64 for float64 models), on the
+            gradients' device on every path (gloo or NCCL), as ``clip_grad_norm_`` returns it.
 
         Raises:
             ValueError: bad ``norm_type`` or ``max_norm``.
