@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,37 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from oss_plus import OSS
 from oss_plus._params import BAD_AUTO_REFRESH
+from oss_plus.bench.measure import host_reads
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
 from oss_plus.plan import ShardPolicy
 from oss_plus.sync import any_set
-
-#: Where torch hands a tensor's value to Python: each call is one device-to-host read on
-#: an accelerator (``cpu``/``to``/``numpy`` only when the tensor is not already on the CPU).
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
-MOVES = ("cpu", "numpy")
-
-
-@contextlib.contextmanager
-def host_reads() -> Iterator[list[str]]:
-    """Record every read of a tensor's value on the host inside the block (by method)."""
-    seen: list[str] = []
-    saved = {name: getattr(torch.Tensor, name) for name in READS + MOVES}
-
-    def counting(name: str, original, only_off_cpu: bool):
-        def wrapper(self, *args, **kwargs):
-            if not only_off_cpu or self.device.type != "cpu":
-                seen.append(name)
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    for name, original in saved.items():
-        setattr(torch.Tensor, name, counting(name, original, name in MOVES))
-    try:
-        yield seen
-    finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
 
 
 def test_the_counter_sees_reads_and_any_set_reads_once():

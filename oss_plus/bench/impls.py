@@ -20,11 +20,25 @@ from oss_plus.demo import state_bytes
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 from oss_plus.sync import transport_override
 
+
+class NoStep(torch.optim.Optimizer):
+    """An optimizer whose ``step`` does nothing (``--optimizer noop``): a row then times only
+    what the wrapper adds around the step (checks, hyperparameter copies, the sync)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
 #: Optimizers selectable with ``--optimizer``: class and keyword arguments.
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "adam_fused": (torch.optim.Adam, {"lr": 1e-3, "fused": True}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
     "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    "noop": (NoStep, {"lr": 1e-3}),
 }
 
 
