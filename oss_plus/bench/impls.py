@@ -104,11 +104,13 @@ def _torch_clip(params: list[torch.nn.Parameter]) -> Callable[[float], Any]:
     return lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def _oss(wire: torch.dtype | None = None, transport: str | None = None) -> Callable[..., Runner]:
+def _oss(
+    wire: torch.dtype | None = None, transport: str | None = None, auto_refresh: bool = True
+) -> Callable[..., Runner]:
     def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
         cls, kwargs = OPTIMIZERS[optimizer]
         with transport_override(transport):
-            opt = OSS(params, optim=cls, broadcast_dtype=wire, **kwargs)
+            opt = OSS(params, optim=cls, broadcast_dtype=wire, auto_refresh=auto_refresh, **kwargs)
         clip = getattr(opt, "clip_grad_norm", None)
         via = ",".join(sorted(opt.sync_buckets.transports())) or "none"
         return Runner(
@@ -220,6 +222,7 @@ IMPLS: dict[str, Impl] = {
         Impl("oss_plus_bf16", "oss_plus OSS bf16 wire", _oss(torch.bfloat16)),
         Impl("oss_plus_fp16", "oss_plus OSS fp16 wire", _oss(torch.float16)),
         Impl("oss_plus_all_gather", "oss_plus fp32 all_gather", _oss(transport="all_gather")),
+        Impl("oss_plus_manual", "oss_plus fp32 auto_refresh=False", _oss(auto_refresh=False)),
         Impl("oss_plus_sync", "oss_plus sync only", _sync_only),
         Impl("fairscale", "fairscale OSS", _fairscale(False), needs="fairscale"),
         Impl("fairscale_fp16", "fairscale OSS fp16", _fairscale(True), needs="fairscale"),
