@@ -183,8 +183,9 @@ def any_set(slots: Sequence[torch.Tensor]) -> bool:
     """
     if not slots:
         return False
-    flags = slots[0] if len(slots) == 1 else torch.cat(list(slots))
-    return bool(flags.any())
+    if len(slots) == 1:
+        return bool(slots[0])
+    return bool(torch.cat(list(slots)).any())
 
 
 class BucketSync:
