@@ -177,7 +177,7 @@ def agree(
     mine = torch.tensor([int(error is not None), value], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    rows = [t.tolist() for t in gathered]
+    rows = torch.stack(gathered).tolist()  # one device-to-host read for every rank's row
     failed = [r for r, (flag, _) in enumerate(rows) if flag]
     if not failed:
         return [v for _, v in rows]

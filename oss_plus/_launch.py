@@ -114,16 +114,29 @@ def run_local(
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     spec = (world_size, free_port(), backend, threads_per_rank(threads, world_size))
+    results: dict[int, Any] = {}
     try:
-        mp.start_processes(
-            _entry, args=(*spec, fn, args, queue), nprocs=world_size, start_method="spawn"
+        context = mp.start_processes(
+            _entry,
+            args=(*spec, fn, args, queue),
+            nprocs=world_size,
+            start_method="spawn",
+            join=False,
         )
+        # read while the ranks run: a result larger than the pipe's buffer (64 KB) blocks
+        # its rank in put() until it is read, and that rank would never exit
+        while not context.join(timeout=0.1):
+            _collect(queue, results)
     except mp.ProcessRaisedException as exc:
         raise RuntimeError(f"a local rank failed:\n{exc}") from None
-    results: dict[int, Any] = {}
+    _collect(queue, results)
+    return [results[r] for r in range(world_size)]
+
+
+def _collect(queue: Any, results: dict[int, Any]) -> None:
+    """Move every result waiting in ``queue`` into ``results``; raise a rank's failure."""
     while not queue.empty():
         rank, ok, value = queue.get()
         if not ok:
             raise RuntimeError(f"local rank {rank} failed:\n{value}")
         results[rank] = value
-    return [results[r] for r in range(world_size)]

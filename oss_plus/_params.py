@@ -129,16 +129,30 @@ def build_inner(
     return inner
 
 
+#: Raised for an ``auto_refresh`` that is not a bool.
+BAD_AUTO_REFRESH = (
+    "auto_refresh must be True (check requires_grad and re-allocation at every step) or "
+    "False (call refresh_trainable() / install_sync() yourself), got {value!r}"
+)
+
+
 def check_options(
-    optim: Any, broadcast_dtype: Any, shard_policy: Any, partition_rule: Any
+    optim: Any,
+    broadcast_dtype: Any,
+    shard_policy: Any,
+    partition_rule: Any,
+    auto_refresh: Any = True,
 ) -> ShardPolicy:
     """Validate the options of :class:`oss_plus.OSS`; return the effective policy.
 
     Raises:
-        TypeError: ``optim`` is not an optimizer class, or ``shard_policy`` not a policy.
+        TypeError: ``optim`` is not an optimizer class, ``shard_policy`` not a policy, or
+            ``auto_refresh`` not a bool.
         ValueError: a wire dtype other than fp16/bf16, or an unknown partition rule.
     """
     check_optim_class(optim)
+    if not isinstance(auto_refresh, bool):
+        raise TypeError(BAD_AUTO_REFRESH.format(value=auto_refresh))
     if broadcast_dtype is not None and broadcast_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"broadcast_dtype must be torch.float16, torch.bfloat16 or None, got {broadcast_dtype}"

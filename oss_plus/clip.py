@@ -46,6 +46,7 @@ from oss_plus import _dist
 
 __all__ = [
     "clip_grad_norm_",
+    "result_device",
     "clip_owned_",
     "clip_sharded_",
     "local_partial",
@@ -74,6 +75,23 @@ BAD_NORM_TYPE = (
 )
 #: Raised for a ``max_norm`` that is negative or NaN.
 BAD_MAX_NORM = "max_norm must be a non-negative number, got {max_norm!r}"
+
+
+def result_device(params: Sequence[torch.Tensor]) -> torch.device:
+    """Return where a clip returns its total: the device of the first gradient, as
+    ``torch.nn.utils.clip_grad_norm_`` does (the first param's when none has one).
+
+    Every rank computes the same device for the same params (a rank holding no gradient,
+    as under ZeRO-2, falls back to the params' device), whatever device the collectives use.
+
+    Example:
+        >>> result_device([torch.zeros(2)])
+        device(type='cpu')
+    """
+    for p in params:
+        if p.grad is not None:
+            return p.grad.device
+    return params[0].device if params else torch.device("cpu")
 
 
 def _check_norm_type(norm_type: Any) -> float:
@@ -255,7 +273,8 @@ def clip_sharded_(
         error_if_nonfinite: raise on every rank when the total is NaN or inf.
 
     Returns:
-        The float32 total norm before clipping, the same on every rank.
+        The float32 total norm before clipping, the same on every rank, on the gradients'
+        device (:func:`result_device`).
 
     Raises:
         ValueError: bad ``norm_type`` or ``max_norm``.
@@ -274,7 +293,7 @@ def clip_sharded_(
         _check_finite(total, p, error_if_nonfinite)
         grads = [q.grad for q, own in zip(params, owned) if own and q.grad is not None]
         scale_grads_(grads, max_norm, total)
-    return total
+    return total.to(result_device(params))
 
 
 def _check_max_norm(max_norm: Any) -> float:
@@ -299,6 +318,7 @@ def clip_grad_norm_(
     counted: Iterable[torch.Tensor] | None = None,
     error_if_nonfinite: bool = False,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``params`` by the norm of the gradients counted over ``group``.
 
@@ -312,6 +332,8 @@ def clip_grad_norm_(
         error_if_nonfinite: raise when the total is NaN or inf (on every rank: they all hold
             the same total; this one check reads the total on the host).
         dtype: dtype of the returned total (float32, or float64 for float64 models).
+        device: where the total is returned (default: :func:`result_device` of ``params``,
+            the gradients' device, as ``torch.nn.utils.clip_grad_norm_``).
 
     Returns:
         The total norm over ``group`` (before clipping), the same on every rank.
@@ -330,12 +352,12 @@ def clip_grad_norm_(
     params = list(params)
     counted = params if counted is None else list(counted)
     with torch.profiler.record_function("oss_plus::clip_grad_norm"):
-        device = _dist.comm_device(group)
+        comm = _dist.comm_device(group)
         grads = [q.grad for q in counted if q.grad is not None]
-        total = reduce_partial(local_partial(grads, p, device), p, group).to(dtype)
+        total = reduce_partial(local_partial(grads, p, comm), p, group).to(dtype)
         _check_finite(total, p, error_if_nonfinite)
         scale_grads_([q.grad for q in params if q.grad is not None], max_norm, total)
-    return total
+    return total.to(result_device(params) if device is None else device)
 
 
 def clip_owned_(
@@ -377,4 +399,5 @@ def clip_owned_(
         counted=counted,
         error_if_nonfinite=error_if_nonfinite,
         dtype=torch.float64 if wide else torch.float32,
+        device=result_device(params),  # the same on every rank, owned grads or not
     )

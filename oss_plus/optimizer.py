@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,6 +34,9 @@ from oss_plus.sync import BucketSync, build_sync
 __all__ = ["NOT_CONSOLIDATED", "OSS"]
 
 logger = logging.getLogger(__name__)
+
+#: Reads ``requires_grad`` at C speed when mapped over the params (no Python frame per param).
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class OSS(ShardedStateDict, Optimizer):
@@ -67,6 +71,13 @@ class OSS(ShardedStateDict, Optimizer):
         collective_state_dict: keyword-only, a plain attribute: :meth:`state_dict` without a
             prior consolidation here is collective (frameworks calling it on every rank;
             ``docs/integrations.md``).
+        auto_refresh: keyword-only, a plain attribute read at every step (default True):
+            :meth:`step` checks whether ``requires_grad`` changed (then repartitions, as
+            :meth:`refresh_trainable`) or params were re-allocated (``module.to()``, ``.data``
+            replaced; then rebuilds the sync, as :meth:`install_sync`). Both checks read one
+            attribute per param at C speed, and none runs at world size 1 (nothing travels).
+            With False, call those two methods yourself after such a change
+            (``docs/performance.md``, "Host cost of the step").
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
             **opt.defaults)`` with AdamW); any other unknown keyword raises TypeError.
@@ -102,10 +113,12 @@ class OSS(ShardedStateDict, Optimizer):
         broadcast_dtype: torch.dtype | None = None,
         shard_policy: ShardPolicy | None = None,
         collective_state_dict: bool = False,
+        auto_refresh: bool = True,
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
         self.collective_state_dict = collective_state_dict
+        self.auto_refresh = auto_refresh
         self._initialized = False
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -118,7 +131,7 @@ class OSS(ShardedStateDict, Optimizer):
         error: Exception | None = None
         try:  # everything a rank may reject, agreed on by every rank below
             self._policy = _params.check_options(
-                optim, broadcast_dtype, shard_policy, partition_rule
+                optim, broadcast_dtype, shard_policy, partition_rule, auto_refresh
             )
             super().__init__(_params.normalize_params(params), defaults)
             self._optim_defaults, fixed = _params.split_defaults(optim, defaults)
@@ -262,7 +275,19 @@ class OSS(ShardedStateDict, Optimizer):
         return build_sync(self.flat_params(), self._plan, self._policy, self.group)
 
     def _trainable_mask(self) -> list[bool]:
-        return [p.requires_grad for p in self.flat_params()]
+        """Cache the flat params (the hot path's list) and return their trainability."""
+        self._flat = self.flat_params()
+        return list(map(_REQUIRES_GRAD, self._flat))
+
+    def _trainability_changed(self) -> bool:
+        """Whether a param's ``requires_grad`` changed since the layout was built.
+
+        At world size 1 the plan does not depend on trainability and nothing travels, so
+        nothing is checked; with ``auto_refresh`` False neither.
+        """
+        if self.world_size == 1 or not self.auto_refresh:
+            return False
+        return list(map(_REQUIRES_GRAD, self._flat)) != self._trainable
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
@@ -310,7 +335,8 @@ class OSS(ShardedStateDict, Optimizer):
             error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
 
         Returns:
-            The total norm before clipping (float32; float64 for float64 models).
+            The total norm before clipping (float32; float64 for float64 models), on the
+            gradients' device on every path (gloo or NCCL), as ``clip_grad_norm_`` returns it.
 
         Raises:
             ValueError: bad ``norm_type`` or ``max_norm``.
@@ -321,7 +347,7 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if self._trainable != self._trainable_mask():
+        if self._trainability_changed():
             self.refresh_trainable()
         owned_mask = [o == self.rank for o in self._plan.owners]
         return clip.clip_owned_(
@@ -353,10 +379,10 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if self._trainable != self._trainable_mask():
+        if self._trainability_changed():
             logger.info("trainable params changed: repartitioning")
             self.refresh_trainable()
-        elif not self._sync.is_intact():
+        elif self.auto_refresh and not self._sync.is_intact():
             logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
             self.install_sync()
         self.drop_consolidated()

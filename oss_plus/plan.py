@@ -80,6 +80,10 @@ class ShardPolicy:
         aligned: start every bucketed param at an allocator-aligned offset (the core's;
             bit-identical to the unsharded optimizer) or back to back (fairscale's, torch's).
         transport: ``auto``, ``broadcast`` or ``all_gather`` (see :mod:`oss_plus.sync`).
+        single_rank_layout: lay the buckets out at world size 1 too, where nothing travels
+            (default False: params keep their own storage). The adapters set it so that params
+            sit where fairscale and torch ZeRO put them (their layouts change a forward's
+            rounding).
 
     Example:
         >>> ShardPolicy(rule="torch").rule
@@ -91,6 +95,7 @@ class ShardPolicy:
     layout: Layout = Layout.OWNER_BUCKETS
     aligned: bool = True
     transport: Transport = Transport.AUTO
+    single_rank_layout: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -107,8 +112,9 @@ class ShardPolicy:
                 raise ValueError(
                     BAD_POLICY.format(field=name, allowed=allowed, value=value)
                 ) from None
-        if not isinstance(self.aligned, bool):
-            raise TypeError(f"ShardPolicy.aligned must be a bool, got {self.aligned!r}")
+        for flag in ("aligned", "single_rank_layout"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"ShardPolicy.{flag} must be a bool, got {getattr(self, flag)!r}")
 
     def local_orders(self, groups: Sequence[Sequence[ParamSpec]]) -> list[list[int]]:
         """Return, per group, the order of its params in an inner optimizer."""

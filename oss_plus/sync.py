@@ -27,14 +27,21 @@ rounded to the wire dtype until the next step.
 
 Step status: every flat bucket (and every rank's region of an ``all_gather`` buffer) ends
 with a status slot its owner sets to 1 when its local step raised. After the waits, every
-rank reads one slot per peer; when any is set (or this rank failed), every rank runs
+rank reads the slots of its peers with ONE device-to-host read (one slot per peer, gathered
+on the device first); when any is set (or this rank failed), every rank runs
 :func:`oss_plus._dist.agree`, which raises on all of them naming the failing rank(s). So a
 failure costs no collective in the common case. When some rank sends no slot (it owns no
-trainable param, or the layout is ``per_param``), that one ``agree`` runs at every sync.
+trainable param, or the layout is ``per_param``), that one ``agree`` (one ``all_gather``,
+one read) runs at every sync instead.
+
+World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
+storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
+sync sends nothing, allocates no wire buffer and reads nothing on the host: it only
+re-raises the local step's error.
 
 Buffers are allocated when the layout is built (construction, ``add_param_group``,
-``refresh_trainable``) or on the first sync with a new wire dtype; later steps allocate
-nothing.
+``refresh_trainable``) or, for the wire copies, on the first sync with a new wire dtype, and
+only for buckets that travel; later steps allocate nothing but the status read's few bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ __all__ = [
     "BucketSync",
     "Transport",
     "alignment",
+    "any_set",
     "bucket_numel",
     "build_sync",
     "transport_override",
@@ -84,6 +92,8 @@ TRANSPORT_ENV = "OSS_PLUS_SYNC"
 BAD_TRANSPORT = "{where} must be one of 'auto', 'broadcast' or 'all_gather', got {value!r}"
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: Reads a tensor's address at C speed when mapped over the params (the re-allocation check).
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def wire_dtype_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
@@ -161,6 +171,23 @@ def _first_per_rank(slots: list[tuple[int, torch.Tensor]]) -> list[tuple[int, to
     return list(first.items())
 
 
+def any_set(slots: Sequence[torch.Tensor]) -> bool:
+    """Return whether any status slot is set, with at most one device-to-host read.
+
+    The slots (one element each, one device) are gathered on their device first, so the
+    host waits for the device once however many peers there are; no slots read nothing.
+
+    Example:
+        >>> any_set([torch.zeros(1), torch.ones(1)]), any_set([])
+        (True, False)
+    """
+    if not slots:
+        return False
+    if len(slots) == 1:
+        return bool(slots[0])
+    return bool(torch.cat(list(slots)).any())
+
+
 class BucketSync:
     """Moves the bytes of ready-made buckets from their owners to every rank.
 
@@ -186,18 +213,20 @@ class BucketSync:
         self.gathers = list(gathers)
         self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
         # every slot of an owner holds the same status after a sync: read one per rank
-        self._reporters = _first_per_rank(_slots(self.buckets, self.gathers, self.world_size))
-        self._silent = len(self._reporters) < self.world_size
-        self._ptrs = self._current_ptrs()
-
-    def _current_ptrs(self) -> list[int]:
-        return [p.data_ptr() for b in self.buckets for p in b.params]
+        reporters = _first_per_rank(_slots(self.buckets, self.gathers, self.world_size))
+        self._peer_slots = [s for r, s in reporters if r != self.rank]
+        self._silent = len(reporters) < self.world_size
+        self._params = [p for b in self.buckets for p in b.params]
+        self._ptrs = list(map(_DATA_PTR, self._params))
 
     # ----------------------------------------------------------------- inspection
     def is_intact(self) -> bool:
         """Return False when a param stopped being a view of its bucket (``.data`` replaced,
-        ``module.to(...)``): the layout must then be rebuilt."""
-        return self._current_ptrs() == self._ptrs
+        ``module.to(...)``): the layout must then be rebuilt.
+
+        One address read per bucketed param, at C speed (no Python frame per param).
+        """
+        return list(map(_DATA_PTR, self._params)) == self._ptrs
 
     def transports(self) -> dict[str, int]:
         """Return how many buckets use each transport, e.g. ``{"broadcast": 2}``."""
@@ -225,7 +254,7 @@ class BucketSync:
                 for p in bucket.params:
                     p.data = p.data.clone()
         self.buckets, self.gathers, self._broadcast, self._ptrs = [], [], [], []
-        self._reporters, self._silent = [], True
+        self._params, self._peer_slots, self._silent = [], [], True
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
@@ -242,6 +271,9 @@ class BucketSync:
 
         .. warning:: Collective: call on every rank of ``group``.
         """
+        if self.world_size == 1:  # nothing travels, nothing to read
+            self.settle(error)
+            return
         with torch.profiler.record_function("oss_plus::sync"):
             failed = error is not None
             pending = self._start_gathers(wire, failed) + self.start(self._broadcast, wire, failed)
@@ -254,18 +286,24 @@ class BucketSync:
         """After the waits: raise on every rank if any rank's step raised.
 
         Reads the status slots of the peers (every slot of ``buckets``, default: one per
-        rank of this layout); when one is set or ``error`` is given, or some rank sent no
-        slot, runs :func:`oss_plus._dist.agree`, which raises on every rank naming the
-        failing rank(s).
+        rank of this layout) with one device-to-host read (:func:`any_set`); when one is set
+        or ``error`` is given, or some rank sent no slot, runs :func:`oss_plus._dist.agree`,
+        which raises on every rank naming the failing rank(s). At world size 1 it reads
+        nothing and re-raises ``error``.
 
         .. warning:: Collective: call on every rank of ``group`` after the same sends.
         """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
         if buckets is None:
-            slots, silent = self._reporters, self._silent
+            peers, silent = self._peer_slots, self._silent
         else:
             slots = _slots(buckets, (), self.world_size)
+            peers = [s for r, s in slots if r != self.rank]
             silent = len({r for r, _ in slots}) < self.world_size
-        if error is not None or silent or any(s.item() for r, s in slots if r != self.rank):
+        if error is not None or silent or any_set(peers):
             _dist.agree(error, self.group)
 
     def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Callable[[], None]]:
@@ -299,10 +337,13 @@ class BucketSync:
         copy when ``wire`` narrows it); the owner first sets its status slot to ``failed``.
 
         Returns:
-            Callables that wait for each broadcast (and widen a compressed copy).
+            Callables that wait for each broadcast (and widen a compressed copy); none at
+            world size 1, where nothing travels (and no wire buffer is allocated).
 
         .. warning:: Collective: call on every rank of ``group`` with the same buckets.
         """
+        if self.world_size == 1:
+            return []
         return [self._broadcast_bucket(b, wire, failed) for b in buckets]
 
     def _broadcast_bucket(
@@ -338,9 +379,15 @@ def build_sync(
     """Lay out ``params`` (flat order) owned as in ``plan`` by ``policy.layout``; return the
     transport over that layout.
 
+    At world size 1 nothing travels: no layout (params keep their own storage) unless
+    ``policy.single_rank_layout``.
+
     Raises:
         ValueError: unknown ``policy.transport`` (or value of :data:`TRANSPORT_ENV`).
     """
+    if plan.world_size == 1 and not policy.single_rank_layout:
+        _requested(policy.transport)
+        return BucketSync([], group)
     if policy.layout is Layout.OWNER_BUCKETS:
         by_owner = [[params[i] for i in plan.owned(r)] for r in range(plan.world_size)]
         keys = gathered_keys(by_owner, policy.transport, group)

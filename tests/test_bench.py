@@ -117,6 +117,28 @@ def test_quick_and_flags_build_the_config():
     assert default == BenchConfig() and default.layers() == 19  # 20M params of Linear(1024, 1024)
 
 
+def test_many_tensors_noop_run_measures_the_wrappers_alone(tmp_path):
+    """--tensors splits the same size into equal tensors; --optimizer noop leaves only the
+    wrappers' own work: host time, and host reads per step (0 alone, 1 for oss_plus on 2
+    ranks, 0 for fairscale, which reads nothing), measured in the run itself."""
+    rows = "oss_plus,fairscale,torch_zero_bv,floor"
+    argv = ["bench", "--size", "0.004", "--tensors", "40", "--optimizer", "noop", "--rounds", "1"]
+    argv += ["--steps", "3", "--warmup", "1", "--sweep-sizes", "", "--no-memory", "--no-plot"]
+    for world in (1, 2):
+        out = tmp_path / str(world)
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main([*argv, "--world-size", str(world), "--impls", rows, "--out", str(out)])
+        assert code == 0
+        data = json.loads((out / "bench.json").read_text())
+        assert data["config"]["tensors"] == 40
+        for key, row in data["rows"].items():
+            assert row["host_s"] > 0 and row["peak_over_steady"] is None, key
+            assert row["state_bytes"] == [0] * world, key  # the inner step keeps no state
+        syncs = {k: r["syncs"] for k, r in data["rows"].items()}
+        assert syncs == {"oss_plus": world - 1, "fairscale": 0, "torch_zero_bv": 0, "floor": 0}
+        assert (data["rows"]["oss_plus"]["wire_bytes"] > 0) == (world > 1)  # nothing alone
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -124,6 +146,8 @@ def test_quick_and_flags_build_the_config():
         (["--impls", "oss_plus,deepspeed"], "unknown implementation(s) ['deepspeed']"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--backend", "mpi"], "--backend must be auto, gloo or nccl"),
+        (["--tensors", "-1"], "--tensors must be >= 0"),
+        (["--device", "tpu"], "--device must be auto, cpu or cuda"),
         (["--ddp", "--checkpoint"], "--ddp and --checkpoint are different benchmarks: pick one"),
         (
             ["--checkpoint", "--async-checkpoint"],

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 from oss_plus import OSS
-from oss_plus.clip import BAD_MAX_NORM, BAD_NORM_TYPE, NONFINITE, local_partial
+from oss_plus.clip import BAD_MAX_NORM, BAD_NORM_TYPE, NONFINITE, local_partial, result_device
 
 INF = math.inf
 NORM_TYPES = [1.0, 2.0, 3.0, 0.5, INF]
@@ -35,6 +35,21 @@ def owned_mask(opt):
 
 def grads_of(model):
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ pure: where the total lands
+def test_the_total_lands_on_the_first_gradients_device_like_torchs():
+    """torch.nn.utils.clip_grad_norm_ returns on the first gradient's device; a rank that
+    holds no gradient (ZeRO-2) falls back to the params' device, the same on every rank.
+    Checked with tensors of the meta device, which no collective device can be."""
+    meta = torch.device("meta")
+    frozen = torch.nn.Parameter(torch.zeros(2))  # on the CPU, no gradient
+    moved = torch.nn.Parameter(torch.zeros(3, device=meta))
+    moved.grad = torch.zeros(3, device=meta)
+    assert result_device([frozen, moved]) == meta
+    assert result_device([moved.detach().requires_grad_(), frozen]) == meta
+    assert result_device([frozen]) == torch.device("cpu")
+    assert result_device([]) == torch.device("cpu")
 
 
 # ------------------------------------------------------------------ pure: the local partial

@@ -1,4 +1,5 @@
-"""Run every ```python block of README.md, docs/migration.md, overlap.md and checkpoints.md.
+"""Run every ```python block of README.md, docs/migration.md, overlap.md, checkpoints.md and
+performance.md.
 
 Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
 is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
@@ -206,6 +207,13 @@ def check_zero2(ns: dict, out: str) -> None:
     assert same_on_every_rank(flat_params(ns["net"]))
 
 
+def check_auto_refresh_off(ns: dict, out: str) -> None:
+    opt, model = ns["opt"], ns["model"]
+    assert opt.auto_refresh is False and opt.plan.trainable == (False, True)
+    assert opt.sync.is_intact() and model.bias.dtype == torch.float64
+    assert same_on_every_rank(flat_params(model))
+
+
 Check = Callable[[dict, str], None]
 #: One check per python block of each page, in order.
 CHECKS: dict[str, list[Check]] = {
@@ -224,6 +232,7 @@ CHECKS: dict[str, list[Check]] = {
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
     "checkpoints.md": [check_checkpoint_api, check_async_save],
     "README.md": [check_readme],
+    "performance.md": [check_auto_refresh_off],
 }
 #: Pages whose blocks use a package oss_plus does not depend on (skipped without it).
 NEEDS = {"migration.md": "fairscale"}
@@ -238,6 +247,7 @@ WRITES = {
         "ckpt/async/index.json",
     ],
     "README.md": ["optim.pt"],
+    "performance.md": [],
 }
 
 

@@ -8,10 +8,12 @@ Two ways to put several ranks' collectives on one device:
   refuses two ranks on one GPU).
 
 Every task compares with an independent reference on the same device: the unsharded
-``torch.optim`` optimizer, ``torch.nn.utils.clip_grad_norm_``, DDP + the unsharded
-optimizer, and bytes and dtypes measured where the sync calls ``torch.distributed``.
-The same task functions run on CPU in :func:`test_gpu_tasks_hold_on_cpu`, so the test code
-itself is exercised where no GPU is (see docs/benchmarks.md, "GPU").
+``torch.optim`` optimizer (its state placement too), ``torch.nn.utils.clip_grad_norm_``,
+DDP + the unsharded optimizer (+ ``GradScaler``), and bytes, dtypes and device-to-host syncs
+measured where they happen. Every task runs under :class:`device_guard.StrictDevices`: a
+comparison of a tensor whose device was never chosen, or of two devices, fails. The same
+tasks run on CPU in :func:`test_gpu_tasks_hold_on_cpu`, so the test code itself is exercised
+(and a device mix-up caught) where no GPU is (see docs/benchmarks.md, "GPU").
 
 Run them on a CUDA machine with ``tox -e gpu`` (``pytest -m gpu``).
 """
@@ -19,6 +21,7 @@ Run them on a CUDA machine with ``tox -e gpu`` (``pytest -m gpu``).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from device_guard import IMPLICIT, StrictDevices
 from helpers import (
     BUCKET_CAP_MB,
     batch,
@@ -38,7 +42,8 @@ from helpers import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from oss_plus import OSS, _dist
+from oss_plus import OSS, ShardedDataParallel, ShardedGradScaler, _dist
+from oss_plus.bench.measure import count_syncs
 from oss_plus.checkpoint import load_checkpoint, save_checkpoint
 from oss_plus.overlap import overlap_with_ddp
 
@@ -52,6 +57,11 @@ def backward_on(model: torch.nn.Module, step: int, device: str) -> None:
     model(batch(step).to(device)).pow(2).mean().backward()
 
 
+def model_on(device: str, **kwargs: Any) -> torch.nn.Module:
+    """:func:`helpers.make_model` (same values on every device), moved to ``device``."""
+    return make_model(**kwargs).to(device)
+
+
 def train_on(model: torch.nn.Module, opt: Any, steps: int, device: str, start: int = 0) -> None:
     for step in range(start, start + steps):
         opt.zero_grad()
@@ -63,18 +73,17 @@ def on_device(model: torch.nn.Module, device: str) -> bool:
     return all(p.device == torch.device(device) for p in model.parameters())
 
 
-def states_on(opt: OSS) -> set[str]:
-    """The device types of every tensor in the inner optimizer's state."""
-    return {
-        v.device.type for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v)
-    }
+def states_on(opt: Any) -> set[str]:
+    """The device types of every tensor in an optimizer's state (an OSS: its inner one's)."""
+    state = getattr(opt, "optim", opt).state
+    return {v.device.type for s in state.values() for v in s.values() if torch.is_tensor(v)}
 
 
 # ------------------------------------------------------------------ tasks (device-agnostic)
 def sync_task(ctx: Any, device: str, wire: str | None, transport_name: str | None) -> dict:
     """One Adam step: owned params equal plain Adam's, the others its value through the wire
     dtype; what travelled, measured at the collectives; the collective device."""
-    model = make_model().to(device)
+    model = model_on(device)
     ref_model = clone_model(model)
     with transport(transport_name):
         opt = OSS(
@@ -96,8 +105,9 @@ def sync_task(ctx: Any, device: str, wire: str | None, transport_name: str | Non
         owned = opt.param_to_rank[p] == ctx.rank
         expected = q if owned or wire is None else q.to(WIRES[wire]).to(q.dtype)
         exact.append(torch.equal(p, expected))
-    moved = not torch.equal(flat_params(ref_model), flat_params(clone_model(make_model())))
+    moved = not torch.equal(flat_params(ref_model), flat_params(model_on(device)))
     return {
+        "world_size": ctx.world_size,
         "exact": exact,
         "moved": moved,
         "via": {via for via, _, _ in seen},
@@ -111,8 +121,9 @@ def sync_task(ctx: Any, device: str, wire: str | None, transport_name: str | Non
 
 def clip_task(ctx: Any, device: str, norm_type: float, partial: bool) -> dict:
     """clip_grad_norm on ``device`` grads (sharded path, or the partial-sum path with an
-    identity filter) against torch's clip_grad_norm_ on the unsharded copy."""
-    model = make_model().to(device)
+    identity filter) against torch's clip_grad_norm_ on the unsharded copy; the total is
+    returned on the gradients' device, as torch's."""
+    model = model_on(device)
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
     for m in (model, ref_model):
@@ -129,15 +140,16 @@ def clip_task(ctx: Any, device: str, norm_type: float, partial: bool) -> dict:
         "total": total.item(),
         "ref": ref_total.item(),
         "device": str(total.device),
+        "ref_device": str(ref_total.device),
         "grads_ok": grads_ok,
     }
 
 
 def fused_task(ctx: Any, device: str, option: str) -> dict:
     """AdamW(fused=True / capturable=True): train, reload the state into a new OSS, train on;
-    the state stays on the params' device and every step equals the plain AdamW's."""
+    the state is placed as the plain AdamW places it and every step equals the plain AdamW's."""
     kwargs = {"lr": 0.01, option: True}
-    model = make_model().to(device)
+    model = model_on(device)
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, group=ctx.group, **kwargs)
     ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
@@ -150,14 +162,16 @@ def fused_task(ctx: Any, device: str, option: str) -> dict:
     placed = states_on(reloaded)
     train_on(again, reloaded, 2, device, start=2)
     train_on(ref_model, ref, 2, device, start=2)
-    return {"placed": placed, "exact": torch.equal(flat_params(again), flat_params(ref_model))}
+    exact = torch.equal(flat_params(again), flat_params(ref_model))
+    return {"placed": placed, "ref_placed": states_on(ref), "exact": exact}
 
 
 def checkpoint_task(ctx: Any, device: str, path: str, sharded: bool, blocking: bool) -> dict:
-    """Save a checkpoint from state on ``device`` (blocking or asynchronous), load it into a
-    new OSS; the state comes back on the params' device and training goes on like plain
-    Adam's."""
-    model = make_model().to(device)
+    """Save a checkpoint from state on ``device`` (blocking or asynchronous: the pinned
+    staging path on CUDA), load it into a new OSS; the state comes back placed as plain
+    Adam places it (``step`` on the CPU unless fused/capturable) and training goes on like
+    plain Adam's."""
+    model = model_on(device)
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
     ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
@@ -172,7 +186,8 @@ def checkpoint_task(ctx: Any, device: str, path: str, sharded: bool, blocking: b
     placed = states_on(loaded)
     train_on(again, loaded, 2, device, start=2)
     train_on(ref_model, ref, 2, device, start=2)
-    return {"placed": placed, "exact": torch.equal(flat_params(again), flat_params(ref_model))}
+    exact = torch.equal(flat_params(again), flat_params(ref_model))
+    return {"placed": placed, "ref_placed": states_on(ref), "exact": exact}
 
 
 def overlap_task(ctx: Any, device: str) -> list[bool]:
@@ -186,7 +201,7 @@ def overlap_task(ctx: Any, device: str) -> list[bool]:
     out = []
     for it in range(4):
         gen = torch.Generator().manual_seed(1000 * ctx.rank + it)
-        x = torch.randn(5, 6, generator=gen).to(device)
+        x = torch.randn(5, 6, generator=gen, device="cpu").to(device)
         for d, o in ((ref, ref_opt), (ddp, opt)):
             o.zero_grad()
             d(x).pow(2).mean().backward()
@@ -197,20 +212,106 @@ def overlap_task(ctx: Any, device: str) -> list[bool]:
     return out
 
 
+#: max_norm of the amp tasks: small enough that every step clips.
+AMP_CLIP = 0.02
+
+
+def amp_step(model: Any, opt: Any, scaler: Any, x: torch.Tensor, clip: Any, group: Any):
+    """One fp16-autocast step with clipping; with ``group``, grads are averaged over it by
+    hand (as DDP does). Returns the loss and the total norm before clipping."""
+    opt.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    if group is not None:
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dist.get_world_size(group))
+    scaler.unscale_(opt)
+    total = clip(AMP_CLIP)
+    scaler.step(opt)
+    scaler.update()
+    return loss.item(), total.item()
+
+
+def amp_task(ctx: Any, device: str, wire: str | None) -> dict:
+    """fp16 autocast + ShardedGradScaler + clip_grad_norm (+ a compressed wire) against DDP
+    with plain AdamW, torch's GradScaler and clip_grad_norm_; each rank its own batch."""
+    model, ref = model_on(device), DDP(model_on(device), process_group=ctx.group)
+    kind = torch.device(device).type
+    opt = OSS(
+        model.parameters(),
+        optim=torch.optim.AdamW,
+        group=ctx.group,
+        lr=0.01,
+        broadcast_dtype=WIRES[wire],
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    scaler = ShardedGradScaler(kind, init_scale=2.0**12, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler(kind, init_scale=2.0**12, growth_interval=2)
+    ref_clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(ref.parameters()))
+    losses = []
+    for step in range(6):
+        x = batch(step, rank=ctx.rank).to(device)
+        ours = amp_step(model, opt, scaler, x, opt.clip_grad_norm, ctx.group)
+        losses.append((*ours, *amp_step(ref, ref_opt, ref_scaler, x, ref_clip, None)))
+    return {"losses": losses, "scales": (scaler.get_scale(), ref_scaler.get_scale())}
+
+
+def sdp_task(ctx: Any, device: str) -> list[bool]:
+    """ShardedDataParallel (ZeRO-2) + OSS on ``device`` against DDP + OSS, per iteration."""
+    model = model_on(device)
+    ref = DDP(clone_model(model), process_group=ctx.group)
+    ref_opt = OSS(ref.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    sdp = ShardedDataParallel(model, opt, process_group=ctx.group)
+    out = []
+    for step in range(3):
+        x = batch(step, rank=ctx.rank).to(device)
+        for m, o in ((sdp, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        out.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())))
+    return out
+
+
+def syncs_task(ctx: Any, device: str) -> list[int]:
+    """Device-to-host syncs of OSS.step beyond plain SGD's (``set_sync_debug_mode`` on CUDA,
+    host reads on the CPU), per step: at most one, none at world size 1."""
+    model = model_on(device)
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1, momentum=0.9)
+    counts = []
+    for step in range(3):
+        opt.zero_grad()
+        backward_on(model, step, device)
+        counts.append(count_syncs(opt.step, torch.device(device)))
+    return counts
+
+
 TASKS = {
     "sync": sync_task,
     "clip": clip_task,
     "fused": fused_task,
     "checkpoint": checkpoint_task,
     "overlap": overlap_task,
+    "amp": amp_task,
+    "sdp": sdp_task,
+    "syncs": syncs_task,
 }
+
+
+def strict(ctx: Any, name: str, *args: Any) -> Any:
+    """Run the task ``name`` under :class:`StrictDevices` (what every test ships to ranks)."""
+    with StrictDevices():
+        return TASKS[name](ctx, *args)
 
 
 def nccl_rank(rank: int, world: int, name: str, *args: Any) -> Any:
     """Entry of :func:`oss_plus._launch.run_local` with ``backend="nccl"``: the task ``name``
     over WORLD on ``cuda:<rank>``."""
     ctx = SimpleNamespace(group=dist.group.WORLD, rank=rank, world_size=world)
-    return TASKS[name](ctx, f"cuda:{rank}", *args)
+    return strict(ctx, name, f"cuda:{rank}", *args)
 
 
 def run_nccl(name: str, *args: Any) -> Any:
@@ -223,9 +324,12 @@ def run_nccl(name: str, *args: Any) -> Any:
 def check_sync(result: dict, wire: str | None, via: str, backend: str) -> None:
     assert result["on_device"] and result["moved"]
     assert all(result["exact"]), "differs from plain Adam (through the wire dtype)"
-    assert result["via"] == {via}
-    assert result["dtypes"] == {WIRES[wire] or torch.float32}
-    assert result["bytes"] > 0
+    if result["world_size"] == 1:  # nothing travels: no collective, no wire buffer
+        assert result["via"] == set() and result["bytes"] == 0
+    else:
+        assert result["via"] == {via}
+        assert result["dtypes"] == {WIRES[wire] or torch.float32}
+        assert result["bytes"] > 0
     assert result["backend"] == backend
     assert result["comm_device"] == ("cuda:0" if backend == "nccl" else "cpu")
 
@@ -233,7 +337,24 @@ def check_sync(result: dict, wire: str | None, via: str, backend: str) -> None:
 def check_clip(result: dict, device: str) -> None:
     assert result["total"] == pytest.approx(result["ref"], rel=1e-6)
     assert result["ref"] > 0.05 and result["grads_ok"]
-    assert result["device"] == str(torch.device(device))
+    assert result["device"] == result["ref_device"] == str(torch.device(device))
+
+
+def check_placed(result: dict) -> None:
+    """State placed as the plain optimizer places it, and the same training."""
+    assert result["placed"] == result["ref_placed"] and result["exact"]
+
+
+def check_amp(result: dict) -> None:
+    """Same losses and norms as DDP + GradScaler (fp16 rounding apart), clipping active."""
+    for loss, total, ref_loss, ref_total in result["losses"]:
+        assert loss == pytest.approx(ref_loss, abs=2e-4)
+        assert total == pytest.approx(ref_total, rel=1e-3) and ref_total > AMP_CLIP
+    assert result["scales"][0] == result["scales"][1]
+
+
+def check_syncs(counts: list[int], world_size: int) -> None:
+    assert counts == [0 if world_size == 1 else 1] * len(counts), counts
 
 
 # ------------------------------------------------------------------ gloo, CUDA tensors, 2-4 ranks
@@ -244,7 +365,7 @@ def check_clip(result: dict, device: str) -> None:
 def test_gloo_sync_of_cuda_buckets(pool, world_size, wire, kind):
     """auto on gloo broadcasts (CUDA buckets too); both transports move compressed CUDA
     buckets; the collectives run on the CPU device gloo needs."""
-    for r in pool.run(sync_task, CUDA, wire, kind, world_size=world_size):
+    for r in pool.run(strict, "sync", CUDA, wire, kind, world_size=world_size):
         check_sync(r, wire, kind or "broadcast", "gloo")
 
 
@@ -252,15 +373,17 @@ def test_gloo_sync_of_cuda_buckets(pool, world_size, wire, kind):
 @pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
 @pytest.mark.parametrize("partial", [False, True], ids=["sharded", "partial"])
 def test_gloo_clip_of_cuda_grads(pool, norm_type, partial):
-    for r in pool.run(clip_task, CUDA, norm_type, partial, world_size=3):
+    """The total comes back on the gradients' device although gloo reduces on the CPU."""
+    for r in pool.run(strict, "clip", CUDA, norm_type, partial, world_size=3):
         check_clip(r, CUDA)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", ["fused", "capturable"])
 def test_gloo_fused_and_capturable_state_reloads_on_the_gpu(pool, option):
-    for r in pool.run(fused_task, CUDA, option, world_size=2):
-        assert r["placed"] == {"cuda"} and r["exact"]
+    for r in pool.run(strict, "fused", CUDA, option, world_size=2):
+        check_placed(r)
+        assert "cuda" in r["placed"]
 
 
 @pytest.mark.gpu
@@ -268,14 +391,34 @@ def test_gloo_fused_and_capturable_state_reloads_on_the_gpu(pool, option):
 @pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
 def test_gloo_checkpoint_of_cuda_state(pool, tmp_path, sharded, blocking):
     path = str(tmp_path / "ckpt")
-    for r in pool.run(checkpoint_task, CUDA, path, sharded, blocking, world_size=2):
-        assert r["placed"] == {"cuda"} and r["exact"]
+    for r in pool.run(strict, "checkpoint", CUDA, path, sharded, blocking, world_size=2):
+        check_placed(r)  # Adam keeps ``step`` on the CPU: {"cpu", "cuda"}, as torch's
 
 
 @pytest.mark.gpu
 def test_gloo_overlap_with_ddp_on_cuda(pool):
-    for r in pool.run(overlap_task, CUDA, world_size=2, timeout=120):
+    for r in pool.run(strict, "overlap", CUDA, world_size=2, timeout=120):
         assert r == [True] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wire", [None, "fp16"])
+def test_gloo_fp16_autocast_scaler_and_clip_match_ddp_with_grad_scaler(pool, wire):
+    for r in pool.run(strict, "amp", CUDA, wire, world_size=2, timeout=120):
+        check_amp(r)
+
+
+@pytest.mark.gpu
+def test_gloo_sharded_data_parallel_on_cuda_equals_ddp(pool):
+    for r in pool.run(strict, "sdp", CUDA, world_size=2, timeout=120):
+        assert r == [True] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_step_syncs_the_device_at_most_once(pool, world_size):
+    for r in pool.run(strict, "syncs", CUDA, world_size=world_size):
+        check_syncs(r, world_size)
 
 
 # ------------------------------------------------------------------ NCCL, world size 1
@@ -283,8 +426,8 @@ def test_gloo_overlap_with_ddp_on_cuda(pool):
 @pytest.mark.parametrize("wire", [None, "bf16"])
 @pytest.mark.parametrize("kind", [None, "all_gather"], ids=["auto", "ag"])
 def test_nccl_sync(wire, kind):
-    """At world size 1 auto broadcasts (all_gather is chosen on NCCL from 2 ranks up: not
-    checkable on one GPU); an explicit all_gather works; the collective device is cuda:0."""
+    """At world size 1 nothing travels (no collective, no wire buffer), whatever the
+    transport; the result is plain Adam's; the collective device is cuda:0."""
     check_sync(run_nccl("sync", wire, kind), wire, kind or "broadcast", "nccl")
 
 
@@ -298,30 +441,55 @@ def test_nccl_clip(norm_type):
 @pytest.mark.gpu
 def test_nccl_fused_state_and_checkpoints(tmp_path):
     for option in ("fused", "capturable"):
-        r = run_nccl("fused", option)
-        assert r["placed"] == {"cuda"} and r["exact"], option
+        check_placed(run_nccl("fused", option))
     for blocking in (True, False):
-        r = run_nccl("checkpoint", str(tmp_path / f"ckpt-{blocking}"), True, blocking)
-        assert r["placed"] == {"cuda"} and r["exact"], blocking
+        check_placed(run_nccl("checkpoint", str(tmp_path / f"ckpt-{blocking}"), True, blocking))
 
 
 @pytest.mark.gpu
-def test_nccl_overlap_with_ddp():
+def test_nccl_overlap_amp_sdp_and_no_sync_alone():
     assert run_nccl("overlap") == [True] * 4
+    check_amp(run_nccl("amp", "fp16"))
+    assert run_nccl("sdp") == [True] * 3
+    check_syncs(run_nccl("syncs"), 1)
 
 
 # ------------------------------------------------------------------ the same tasks on CPU
 def test_gpu_tasks_hold_on_cpu(pool, tmp_path):
-    """The GPU tasks and their checks with ``device="cpu"`` (gloo): the test code itself is
-    right where no GPU is, and fails on a no-op like every other test."""
+    """The GPU tasks and their checks with ``device="cpu"`` (gloo), under the same strict
+    devices: the test code itself is right where no GPU is, a reference built without a
+    device fails here as on a GPU, and every check fails on a no-op."""
     for kind in (None, "all_gather"):
-        for r in pool.run(sync_task, "cpu", "bf16", kind, world_size=2):
+        for r in pool.run(strict, "sync", "cpu", "bf16", kind, world_size=2):
             check_sync(r, "bf16", kind or "broadcast", "gloo")
-    for r in pool.run(clip_task, "cpu", math.inf, True, world_size=2):
+    check_sync(pool.run(strict, "sync", "cpu", "bf16", None, world_size=1)[0], "bf16", "", "gloo")
+    for r in pool.run(strict, "clip", "cpu", math.inf, True, world_size=2):
         check_clip(r, "cpu")
-    for r in pool.run(fused_task, "cpu", "fused", world_size=2):
-        assert r["placed"] == {"cpu"} and r["exact"]
+    for r in pool.run(strict, "fused", "cpu", "fused", world_size=2):
+        check_placed(r)
     path = str(tmp_path / "ckpt")
-    for r in pool.run(checkpoint_task, "cpu", path, False, False, world_size=2):
-        assert r["placed"] == {"cpu"} and r["exact"]
-    assert pool.run(overlap_task, "cpu", world_size=2) == [[True] * 4] * 2
+    for r in pool.run(strict, "checkpoint", "cpu", path, False, False, world_size=2):
+        check_placed(r)
+    assert pool.run(strict, "overlap", "cpu", world_size=2) == [[True] * 4] * 2
+    for r in pool.run(strict, "amp", "cpu", "fp16", world_size=2, timeout=120):
+        check_amp(r)
+    assert pool.run(strict, "sdp", "cpu", world_size=2, timeout=120) == [[True] * 3] * 2
+    for world_size in (1, 2, 3):
+        for r in pool.run(strict, "syncs", "cpu", world_size=world_size):
+            check_syncs(r, world_size)
+
+
+def test_strict_devices_catch_a_reference_built_without_a_device():
+    """The mistake the GPU suite once made (sync_task compared its CUDA result with
+    ``clone_model(make_model())``, built on the CPU) fails on the CPU too; the right
+    reference, and a model moved by ``module.to()``'s ``p.data = moved``, pass."""
+    with StrictDevices():
+        model = model_on("cpu")
+        with pytest.raises(AssertionError, match="never chosen") as err:
+            torch.equal(flat_params(model), flat_params(clone_model(make_model())))
+        assert str(err.value) == IMPLICIT.format(name="equal")
+        assert torch.equal(flat_params(model), flat_params(clone_model(model_on("cpu"))))
+        moved = make_model()._apply(lambda t: t.to("cpu", copy=True))  # .data = a moved copy
+        assert torch.equal(flat_params(moved), flat_params(model))
+        with pytest.raises(AssertionError, match="never chosen"):
+            torch.allclose(torch.ones(2, device="cpu"), torch.ones(2) * 2)

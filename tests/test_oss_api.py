@@ -11,6 +11,7 @@ from helpers import (
     catch,
     clone_model,
     flat_params,
+    load_flat,
     make_model,
     params_equal,
     sgd_pair,
@@ -433,8 +434,10 @@ def save_task(ctx, name, steps):
 
 def load_task(ctx, sd, params, name, steps):
     model = make_model()
-    with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(params, model.parameters())
+    # copied in (vector_to_parameters would make the params unaligned views of ``params``,
+    # which OSS keeps as they are at world size 1, and the aligned clone below differs in
+    # the last bit of vectorized kernels)
+    load_flat(model, params)
     ref_model = clone_model(model)
     optim = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
     kw = {"momentum": 0.9} if name == "sgd" else {}

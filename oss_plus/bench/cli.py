@@ -55,6 +55,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         "rounds": args.rounds,
         "backend": args.backend,
         "threads": args.threads,
+        "tensors": args.tensors,
+        "device": args.device,
         "impls": _names(args.impls) if args.impls else None,
         "sweep_sizes": _floats(args.sweep_sizes) if args.sweep_sizes is not None else None,
         "sweep_worlds": _ints(args.sweep_worlds) if args.sweep_worlds is not None else None,
@@ -137,7 +139,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--size", type=float, help=f"model size in M params (default {defaults.size:g})")
     add("--width", type=int, help=f"Linear width (default {defaults.width})")
     add("--world-size", type=int, help=f"ranks (default {defaults.world_size})")
-    add("--optimizer", help=f"adam, adamw or sgd (default {defaults.optimizer})")
+    add(
+        "--optimizer",
+        help="adam, adam_fused, adamw, sgd or noop (an inner step that does nothing: what "
+        f"each wrapper adds) (default {defaults.optimizer})",
+    )
+    add(
+        "--tensors",
+        type=int,
+        help="split the model into this many equal tensors at the same --size (the host "
+        "cost per tensor; default: Linear layers)",
+    )
+    add("--device", help="params on auto (the GPU under NCCL, else CPU), cpu or cuda")
     add("--steps", type=int, help=f"timed steps per round (default {defaults.steps})")
     add("--warmup", type=int, help=f"untimed steps per round (default {defaults.warmup})")
     add("--rounds", type=int, help=f"rounds, order rotated each round (default {defaults.rounds})")

@@ -20,11 +20,25 @@ from oss_plus.demo import state_bytes
 from oss_plus.partition import ParamSpec, Rule, assign_owners
 from oss_plus.sync import transport_override
 
+
+class NoStep(torch.optim.Optimizer):
+    """An optimizer whose ``step`` does nothing (``--optimizer noop``): a row then times only
+    what the wrapper adds around the step (checks, hyperparameter copies, the sync)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
 #: Optimizers selectable with ``--optimizer``: class and keyword arguments.
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "adam_fused": (torch.optim.Adam, {"lr": 1e-3, "fused": True}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
     "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    "noop": (NoStep, {"lr": 1e-3}),
 }
 
 
@@ -90,11 +104,13 @@ def _torch_clip(params: list[torch.nn.Parameter]) -> Callable[[float], Any]:
     return lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def _oss(wire: torch.dtype | None = None, transport: str | None = None) -> Callable[..., Runner]:
+def _oss(
+    wire: torch.dtype | None = None, transport: str | None = None, auto_refresh: bool = True
+) -> Callable[..., Runner]:
     def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
         cls, kwargs = OPTIMIZERS[optimizer]
         with transport_override(transport):
-            opt = OSS(params, optim=cls, broadcast_dtype=wire, **kwargs)
+            opt = OSS(params, optim=cls, broadcast_dtype=wire, auto_refresh=auto_refresh, **kwargs)
         clip = getattr(opt, "clip_grad_norm", None)
         via = ",".join(sorted(opt.sync_buckets.transports())) or "none"
         return Runner(
@@ -206,6 +222,7 @@ IMPLS: dict[str, Impl] = {
         Impl("oss_plus_bf16", "oss_plus OSS bf16 wire", _oss(torch.bfloat16)),
         Impl("oss_plus_fp16", "oss_plus OSS fp16 wire", _oss(torch.float16)),
         Impl("oss_plus_all_gather", "oss_plus fp32 all_gather", _oss(transport="all_gather")),
+        Impl("oss_plus_manual", "oss_plus fp32 auto_refresh=False", _oss(auto_refresh=False)),
         Impl("oss_plus_sync", "oss_plus sync only", _sync_only),
         Impl("fairscale", "fairscale OSS", _fairscale(False), needs="fairscale"),
         Impl("fairscale_fp16", "fairscale OSS fp16", _fairscale(True), needs="fairscale"),

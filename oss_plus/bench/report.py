@@ -59,8 +59,13 @@ def table(result: BenchResult) -> str:
     """Return the side-by-side table as text."""
     cfg, machine = result.config, result.machine
     rel = ratios(result)
+    model = (
+        f"{cfg['tensors']} equal tensors"
+        if cfg.get("tensors")
+        else f"Linear({cfg['width']},{cfg['width']}) stack"
+    )
     head = (
-        f"oss_plus bench: {cfg['size']:g}M params (Linear({cfg['width']},{cfg['width']}) stack), "
+        f"oss_plus bench: {cfg['size']:g}M params ({model}) on {cfg.get('device', 'auto')}, "
         f"{cfg['optimizer']}, {cfg['world_size']} rank(s) on {machine['backend']}, "
         f"{machine['threads_per_rank']} thread(s)/rank, {machine['cores']} cores, "
         f"{cfg['rounds']} rounds x {cfg['steps']} steps; load "
@@ -71,6 +76,9 @@ def table(result: BenchResult) -> str:
         "step ms",
         "x floor",
         "x peer",
+        "host ms",
+        "syncs",
+        "dev pk MB",
         "CPU ms",
         "busy",
         "wire MB",
@@ -93,6 +101,9 @@ def table(result: BenchResult) -> str:
                     _fmt(row["step_s"], 1e3),
                     _fmt(rel[key]["vs_floor"], digits=2),
                     _fmt(rel[key]["vs_best_peer"], digits=2),
+                    _fmt(row.get("host_s"), 1e3, 3),
+                    _fmt(row.get("syncs"), digits=0),
+                    _fmt(row.get("peak_over_steady"), 1 / MB),
                     _fmt(row.get("cpu_s"), 1e3),
                     _fmt(row.get("busy_cores"), digits=2),
                     _fmt(row["wire_bytes"] / MB),
@@ -108,8 +119,11 @@ def table(result: BenchResult) -> str:
             )
         )
     lines.append(
-        "CPU ms: CPU time of one step summed over the ranks (every thread, user + system); "
-        f"busy: CPU / step time, in cores (this machine has {machine['cores']})"
+        "step ms: median over the steps of the slowest rank (CUDA events on a GPU); host ms: "
+        "until step() returned; syncs: device-to-host syncs of one step (host reads on CPU); "
+        "dev pk MB: device memory a step peaks at over steady (CUDA); CPU ms: CPU time of one "
+        "step summed over the ranks (every thread, user + system); busy: CPU / step time, in "
+        f"cores (this machine has {machine['cores']})"
     )
     for key, reason in result.skipped.items():
         lines.append(f"skipped {IMPLS[key].label}: {reason}")
@@ -118,7 +132,7 @@ def table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-_WIDTHS = [30, 8, 7, 7, 7, 5, 8, 9, 6, 7, 7, 6, 8, 8, 0]
+_WIDTHS = [30, 8, 7, 7, 8, 5, 9, 7, 5, 8, 9, 6, 7, 7, 6, 8, 8, 0]
 
 
 def _row(cells: list[str]) -> str:

@@ -5,8 +5,14 @@ Three measurements, each in fresh spawned ranks:
 * timing: all implementations in one set of ranks, in ``rounds`` rounds with the order
   rotated each round (so a noisy neighbour hits every row alike); each round builds the row
   from a fresh copy of the model, runs ``warmup`` steps, then times ``steps`` steps. A step's
-  time is the slowest rank's (barrier before, ``all_reduce(MAX)`` after, both untimed). Also
-  recorded: optimizer-state bytes per rank, wire bytes per step, clip_grad_norm time.
+  time is the slowest rank's (barrier before, ``all_reduce(MAX)`` after, both untimed); on
+  CUDA the span of CUDA events around it. Also recorded: the host time of a step (until
+  ``step()`` returned), device-to-host syncs of one untimed step (``set_sync_debug_mode`` on
+  CUDA, host reads elsewhere), the device memory a step peaks at over steady (CUDA),
+  optimizer-state bytes per rank, wire bytes per step, clip_grad_norm time.
+  ``tensors`` splits the model into that many equal tensors at the same total size (the
+  host cost per tensor), and ``--optimizer noop`` (an inner step that does nothing) leaves
+  only what each wrapper adds.
 * memory: one fresh set of ranks per implementation: steady-state RSS after
   ``memory_steps`` steps and peak RSS (``ru_maxrss``) of each rank.
 * sweeps: step time of a few rows against model size and against world size.
@@ -68,9 +74,17 @@ class BenchConfig:
     backend: str = "auto"
     threads: int = 0
     seed: int = 0
+    tensors: int = 0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_common(self, ("width", "world_size", "steps", "rounds"))
+        if self.tensors < 0:
+            raise ValueError(f"--tensors must be >= 0 (0: Linear layers), got {self.tensors}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA device; use --device cpu")
         named = (*self.impls, *self.sweep_impls, *self.profile, *(self.memory_impls or ()))
         unknown = [k for k in named if k not in IMPLS]
         if unknown:
@@ -87,6 +101,16 @@ class BenchConfig:
     def layers(self, size: float | None = None) -> int:
         """Return how many Linear(width, width) layers make ``size`` million params (>= 1)."""
         return linear_layers(self.size if size is None else size, self.width)
+
+    def tensor_numel(self, size: float) -> int:
+        """Elements of each of the ``tensors`` equal tensors that make ``size`` M params."""
+        return max(1, round(size * 1e6 / max(1, self.tensors)))
+
+    def numel(self, size: float) -> int:
+        """Elements of the model of ``size`` M params as built (layers or equal tensors)."""
+        if self.tensors:
+            return self.tensors * self.tensor_numel(size)
+        return self.layers(size) * (self.width * self.width + self.width)
 
 
 @dataclass
@@ -117,6 +141,9 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
     times = sorted(row["times"])
     return {
         "step_s": statistics.median(times),
+        "host_s": statistics.median(row["host"]) if row.get("host") else None,
+        "syncs": row.get("syncs"),
+        "peak_over_steady": row.get("peak"),
         "step_p10_s": times[len(times) // 10],
         "step_p90_s": times[(len(times) * 9) // 10],
         "clip_s": statistics.median(row["clip"]) if row["clip"] else None,

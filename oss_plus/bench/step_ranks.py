@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 
 from oss_plus.bench.impls import IMPLS, Runner
-from oss_plus.bench.measure import device, rss, synchronize, timed
+from oss_plus.bench.measure import (
+    comm_device,
+    count_syncs,
+    device,
+    peak_over_steady,
+    rss,
+    synchronize,
+    timed,
+)
 
 if TYPE_CHECKING:
     from oss_plus.bench.step_bench import BenchConfig
@@ -25,40 +33,57 @@ if TYPE_CHECKING:
 CLIP_NORM = 1e9
 
 
-def make_params(cfg: BenchConfig, layers: int) -> list[torch.nn.Parameter]:
-    """The model: ``layers`` x Linear(width, width) params with fixed grads, on this rank."""
+def make_params(cfg: BenchConfig, size: float) -> list[torch.nn.Parameter]:
+    """The model of ``size`` M params with fixed grads, on this rank's device: a stack of
+    Linear(width, width) layers, or ``cfg.tensors`` equal 1-D tensors (``--tensors``)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    where = device()
+    where = device(cfg.device)
+    if cfg.tensors:
+        shapes: list[tuple[int, ...]] = [(cfg.tensor_numel(size),)] * cfg.tensors
+    else:
+        shapes = [(cfg.width, cfg.width), (cfg.width,)] * cfg.layers(size)
     params = []
-    for _ in range(layers):
-        for shape in ((cfg.width, cfg.width), (cfg.width,)):
-            p = torch.nn.Parameter(((torch.rand(shape, generator=gen) - 0.5) * 0.1).to(where))
-            p.grad = ((torch.rand(shape, generator=gen) - 0.5) * 1e-3).to(where)
-            params.append(p)
+    for shape in shapes:
+        p = torch.nn.Parameter(((torch.rand(shape, generator=gen) - 0.5) * 0.1).to(where))
+        p.grad = ((torch.rand(shape, generator=gen) - 0.5) * 1e-3).to(where)
+        params.append(p)
     return params
 
 
-def _measure(runner: Runner, slowest: torch.Tensor, warmup: int, steps: int) -> dict[str, Any]:
+def _measure(
+    runner: Runner, slowest: torch.Tensor, warmup: int, steps: int, on: torch.device
+) -> dict[str, Any]:
+    """Time a row's steps (and clip), then count one step's device-to-host syncs and its
+    device memory peak, untimed; gather every rank's state bytes and syncs."""
     for _ in range(warmup):
         runner.step()
     cpu: list[float] = []
-    times = timed(runner.step, steps, slowest, cpu)
+    host: list[float] = []
+    times = timed(runner.step, steps, slowest, cpu, host)
     clip = timed(functools.partial(runner.clip, CLIP_NORM), 3, slowest) if runner.clip else []
-    states = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(states, torch.tensor([float(runner.state_bytes())], dtype=torch.float64))
+    syncs = count_syncs(runner.step, on)  # untimed: counting slows the step
+    peak = peak_over_steady(runner.step, on)
+    comm = comm_device()  # NCCL takes no CPU tensor, gloo takes any
+    mine = torch.tensor([float(runner.state_bytes()), float(syncs)], dtype=torch.float64)
+    rows = [torch.zeros(2, dtype=torch.float64, device=comm) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine.to(comm))
+    gathered = torch.stack(rows).tolist()
     return {
         "times": times,
+        "host": host,
         "cpu": cpu,
         "clip": clip,
-        "state": [int(s) for s in states],
+        "state": [int(r[0]) for r in gathered],
+        "syncs": max(int(r[1]) for r in gathered),
+        "peak": peak,
         "wire": runner.wire_bytes,
         "note": runner.note,
     }
 
 
-def _warm_up(cfg: BenchConfig, layers: int) -> None:
+def _warm_up(cfg: BenchConfig, size: float) -> None:
     """Grow the heap once (unsharded optimizer, largest model) so that no row pays for it."""
-    runner = IMPLS["unsharded"].build(make_params(cfg, layers), cfg.optimizer)
+    runner = IMPLS["unsharded"].build(make_params(cfg, size), cfg.optimizer)
     for _ in range(2):
         runner.step()
     del runner
@@ -67,7 +92,7 @@ def _warm_up(cfg: BenchConfig, layers: int) -> None:
 
 def _fits_interleaved(cfg: BenchConfig, keys: list[str], size: float) -> bool:
     """Whether every row can be alive at once: params + grads + (at most) Adam state each."""
-    per_row = cfg.layers(size) * (cfg.width * cfg.width + cfg.width) * 4 * 4
+    per_row = cfg.numel(size) * 4 * 4
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return per_row * len(keys) * dist.get_world_size() < 0.5 * total
 
@@ -75,19 +100,20 @@ def _fits_interleaved(cfg: BenchConfig, keys: list[str], size: float) -> bool:
 def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor) -> dict:
     """Every row alive at once, one step of each in turn (order rotated every cycle): a noisy
     neighbour slows every row alike."""
-    runners = {k: IMPLS[k].build(make_params(cfg, cfg.layers(size)), cfg.optimizer) for k in keys}
+    runners = {k: IMPLS[k].build(make_params(cfg, size), cfg.optimizer) for k in keys}
     for _ in range(cfg.warmup):
         for runner in runners.values():
             runner.step()
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
+    host: dict[str, list[float]] = {k: [] for k in keys}
     for cycle in range(cfg.rounds * cfg.steps):
         for key in keys[cycle % len(keys) :] + keys[: cycle % len(keys)]:
-            times[key] += timed(runners[key].step, 1, slowest, cpu[key])
+            times[key] += timed(runners[key].step, 1, slowest, cpu[key], host[key])
     rows = {}
     for key, runner in runners.items():
-        rows[key] = _measure(runner, slowest, 0, 0)
-        rows[key]["times"], rows[key]["cpu"] = times[key], cpu[key]
+        rows[key] = _measure(runner, slowest, 0, 0, device(cfg.device))
+        rows[key].update(times=times[key], cpu=cpu[key], host=host[key])
     return rows
 
 
@@ -96,12 +122,11 @@ def _blocks(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tenso
     rows: dict[str, dict[str, Any]] = {}
     for r in range(cfg.rounds):
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            runner = IMPLS[key].build(make_params(cfg, cfg.layers(size)), cfg.optimizer)
-            result = _measure(runner, slowest, cfg.warmup, cfg.steps)
-            row = rows.setdefault(key, {**result, "times": [], "cpu": [], "clip": []})
-            row["times"] += result["times"]
-            row["cpu"] += result["cpu"]
-            row["clip"] += result["clip"]
+            runner = IMPLS[key].build(make_params(cfg, size), cfg.optimizer)
+            result = _measure(runner, slowest, cfg.warmup, cfg.steps, device(cfg.device))
+            row = rows.setdefault(key, {**result, "times": [], "cpu": [], "clip": [], "host": []})
+            for series in ("times", "cpu", "clip", "host"):
+                row[series] += result[series]
             del runner
             gc.collect()
     return rows
@@ -114,9 +139,9 @@ def timing_rank(
 
     Rows are interleaved step by step when they all fit in memory, else run in blocks.
     """
-    slowest = torch.zeros(1, dtype=torch.float64, device=device())
+    slowest = torch.zeros(1, dtype=torch.float64, device=comm_device())
     out: dict[str, Any] = {"threads": torch.get_num_threads()}
-    _warm_up(cfg, cfg.layers(max(sizes)))
+    _warm_up(cfg, max(sizes))
     for size in sizes:
         fits = cfg.interleave and _fits_interleaved(cfg, keys, size)
         out[f"mode {size}"] = "interleaved" if fits else "blocks"
@@ -127,7 +152,7 @@ def timing_rank(
 
 def profile_rank(rank: int, world: int, cfg: BenchConfig, key: str, steps: int = 5) -> str:
     """Profile ``steps`` steps of one row with torch.profiler; rank 0 returns the op table."""
-    runner = IMPLS[key].build(make_params(cfg, cfg.layers()), cfg.optimizer)
+    runner = IMPLS[key].build(make_params(cfg, cfg.size), cfg.optimizer)
     for _ in range(cfg.warmup + 1):
         runner.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -143,7 +168,7 @@ def profile_rank(rank: int, world: int, cfg: BenchConfig, key: str, steps: int =
 def memory_rank(rank: int, world: int, cfg: BenchConfig, key: str) -> dict[str, int]:
     """Steady-state and peak RSS of this rank for one row, in a fresh process."""
     base = rss()
-    params = make_params(cfg, cfg.layers())
+    params = make_params(cfg, cfg.size)
     model = rss()
     runner = IMPLS[key].build(params, cfg.optimizer)
     for _ in range(cfg.memory_steps):

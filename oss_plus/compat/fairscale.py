@@ -49,7 +49,11 @@ ALL_STATES_READ_ONLY = (
 #: layout (params back to back: unaligned views make CPU matmul kernels round differently
 #: from standalone tensors, and packing like fairscale is what makes results bit-identical).
 FAIRSCALE_POLICY = ShardPolicy(
-    rule=Rule.FAIRSCALE, local_order=LocalOrder.RULE, layout=Layout.OWNER_BUCKETS, aligned=False
+    rule=Rule.FAIRSCALE,
+    local_order=LocalOrder.RULE,
+    layout=Layout.OWNER_BUCKETS,
+    aligned=False,
+    single_rank_layout=True,
 )
 
 

@@ -160,7 +160,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         layout = Layout.PER_PARAM
         if parameters_as_bucket_view and not overlap_with_ddp:
             layout = Layout.ORDERED_BUCKETS
-        policy = ShardPolicy(rule=Rule.TORCH, layout=layout, aligned=False)
+        policy = ShardPolicy(rule=Rule.TORCH, layout=layout, aligned=False, single_rank_layout=True)
         super().__init__(
             params,
             optimizer_class,
