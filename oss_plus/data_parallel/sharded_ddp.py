@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,9 @@ from oss_plus.optimizer import OSS
 __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
+
+#: What the reduce plan depends on, per param, read in one C-level pass at every forward.
+_SIGNATURE = operator.attrgetter("requires_grad", "dtype", "device")
 
 #: Logged (once per change) when trainability changes are detected at forward.
 TRAINABLE_CHANGED = (
@@ -111,9 +115,23 @@ class ShardedDataParallel(nn.Module):
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        devices = {p.device for p in module.parameters()}
+        #: As DDP and fairscale: whether the module's params span several devices.
+        self.is_multi_device_module = len(devices) > 1
+        #: As DDP and fairscale: the device type of the module's params ("cpu", "cuda", ...).
+        self.device_type = next(iter(devices)).type if devices else "cpu"
+        #: As DDP: the device of the first param.
+        self.device = next(iter(module.parameters())).device if devices else torch.device("cpu")
+        #: As DDP constructed without ``device_ids``: inputs are not moved or scattered.
+        self.device_ids: list[int] | None = None
+        self.output_device: int | None = None
         self._accumulate = False
         self._devices = [p.device for p in module.parameters()]
+        self._submodules: list[nn.Module] = []
+        self._params: list[torch.Tensor] = []
         self._signature: list[tuple[Any, ...]] = []
+        self._plans: list[Any] = []
+        self._module_buffers: list[torch.Tensor] = []
         self._reducer: GradReducer | None = None
         if sync_models_at_startup:
             self._broadcast(list(module.state_dict().values()))
@@ -138,16 +156,27 @@ class ShardedDataParallel(nn.Module):
         .. warning:: Collective: call on every rank of ``process_group``.
         """
         with torch.profiler.record_function("oss_plus::sdp::forward"):
-            self._check_devices()
             self._refresh_if_changed()
-            if self.broadcast_buffers:
-                self.sync_buffers(blocking=True)
+            if self.broadcast_buffers and self._module_buffers:
+                self._broadcast(self._module_buffers)
             assert self._reducer is not None
             if self.training and torch.is_grad_enabled():
                 self._reducer.start_pass(reduce=not self._accumulate)
             else:
                 self._reducer.quiet()
             return self.module(*inputs, **kwargs)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """As DDP: False inside :meth:`no_sync` (the next forward's backward does not reduce).
+
+        Setting it is what DDP's ``no_sync()`` does, and what some trainers do directly.
+        """
+        return not self._accumulate
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._accumulate = not value
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -210,10 +239,15 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero (or drop, with ``set_to_none``) the gradients of the module's params."""
         for param in self.module.parameters():
+            grad = param.grad
             if set_to_none:
                 param.grad = None
-            elif param.grad is not None:
-                param.grad.detach_().zero_()
+            elif grad is not None:
+                if grad.grad_fn is not None:
+                    grad.detach_()  # never a bucket view: those have no grad_fn
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
 
     def __getattr__(self, name: str) -> Any:
         """Fall through to the wrapped module for attributes the wrapper does not have."""
@@ -240,30 +274,37 @@ class ShardedDataParallel(nn.Module):
                     _validate.MODULE_MOVED.format(name=name, before=before, after=param.device)
                 )
 
-    def _current_signature(self) -> list[tuple[Any, ...]]:
-        """Per module param: trainable, owner, dtype (what the plan depends on)."""
-        owners: dict[torch.Tensor, int] = {}
-        for optimizer in self._optimizers:
-            owners.update(optimizer.param_to_rank)
-        return [(p.requires_grad, owners.get(p, -1), p.dtype) for p in self.module.parameters()]
+    def _current_params(self) -> list[torch.Tensor]:
+        """The module's params (``module.parameters()``, from the cached submodule list)."""
+        found = (p for m in self._submodules for p in m._parameters.values() if p is not None)
+        return list(dict.fromkeys(found))
 
     def _refresh_if_changed(self) -> None:
-        signature = self._current_signature()
-        if signature == self._signature:
+        """Re-plan when the params or the partition changed (C-level passes when not)."""
+        params = self._current_params()
+        signature = list(map(_SIGNATURE, params))
+        plans = [o.plan for o in self._optimizers]
+        if (
+            signature == self._signature
+            and len(params) == len(self._params)
+            and all(map(operator.is_, params, self._params))
+            and all(map(operator.is_, plans, self._plans))
+        ):
             return
+        self._check_devices()
         trainable = [s[0] for s in signature]
         if trainable != [s[0] for s in self._signature]:
             if not self.auto_refresh_trainable:
-                self._replan(signature)  # the user refreshes the optimizer; route what we see
+                self._replan()  # the user refreshes the optimizer; route what we see
                 return
             if self.warn_on_trainable_params_changed:
                 logger.warning(TRAINABLE_CHANGED)
             self.refresh_trainable()
         else:
             logger.info("the optimizer's partition or the params' dtypes changed: re-planning")
-            self._replan(signature)
+            self._replan()
 
-    def _replan(self, signature: list[tuple[Any, ...]] | None = None) -> None:
+    def _replan(self) -> None:
         """Rebuild the reduce plan and hooks from the optimizers' current partition."""
         named = list(self.module.named_parameters())
         owners = _validate.owners_of(self._optimizers, named)
@@ -273,4 +314,8 @@ class ShardedDataParallel(nn.Module):
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer = GradReducer(trainable, plan, self.process_group, self._wire)
-        self._signature = signature if signature is not None else self._current_signature()
+        self._module_buffers = list(self.module.buffers())
+        self._submodules = list(self.module.modules())
+        self._params = self._current_params()
+        self._signature = list(map(_SIGNATURE, self._params))
+        self._plans = [o.plan for o in self._optimizers]
