@@ -224,3 +224,47 @@ def clip_task(ctx, bucket):
 def test_clip_grad_norm_is_global(pool, world):
     for norms, exact in pool.run(clip_task, 0, **world):
         assert norms[0::2] == norms[1::2] and max(norms) > 0.5 and exact
+
+
+def host_reads_task(ctx, bucket, branch=None):
+    """Host reads of tensor values in one forward + backward, SDP against DDP; the counter
+    must see a deliberate ``.item()`` and ``.tolist()`` (so it cannot be blind)."""
+    from sdp_utils import HostReads
+
+    net = {"branch": branch is not None}
+    ddp_kw = {"find_unused_parameters": branch is not None}
+    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw)
+    counts = {}
+    for step in range(3):
+        use_branch = branch is not None and (step + ctx.rank * branch) % 2 == 0
+        for name, net_, o in (("sdp", sdp, opt), ("ddp", ddp, ref_opt)):
+            o.zero_grad(set_to_none=step % 2 == 0)  # both kinds of zero_grad
+            with HostReads() as reads:
+                net_(batch(step, ctx.rank), use_branch=use_branch).pow(2).mean().backward()
+            counts.setdefault(name, []).append(reads.reads)
+            o.step()
+    with HostReads() as control:
+        torch.ones(2).sum().item()
+        torch.ones(2).tolist()
+    exact = torch.equal(flat(sdp.module), flat(ddp.module))
+    return {"counts": counts, "control": control.reads, "exact": exact}
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_forward_and_backward_read_no_tensor_value_on_the_host(pool, bucket):
+    # DDP without find_unused_parameters reads none; neither may SDP (each is a sync on CUDA)
+    for r in pool.run(host_reads_task, bucket, world_size=2):
+        assert r["control"] == ["aten._local_scalar_dense", "tolist"], r["control"]
+        assert r["counts"]["ddp"] == [[], [], []]
+        assert r["counts"]["sdp"] == [[], [], []], r["counts"]["sdp"]
+        assert r["exact"]
+
+
+def test_an_owner_without_a_gradient_reads_the_used_flags_once(pool):
+    # `never` is used on no rank: its owner lacks a gradient and reads the flags, once per
+    # backward (DDP with find_unused_parameters=True reads too)
+    results = pool.run(host_reads_task, 64, branch=0, world_size=2)
+    for r in results:
+        assert all(reads in ([], ["tolist"]) for reads in r["counts"]["sdp"]), r["counts"]
+        assert r["exact"]
+    assert any(reads == ["tolist"] for r in results for reads in r["counts"]["sdp"])
