@@ -18,12 +18,14 @@ def _loss(step, rank, use_branch=False):
     return lambda m: m(batch(step, rank), use_branch=use_branch).pow(2).mean()
 
 
-def train_task(ctx, bucket, steps=4, accumulate=0, branch=None, freeze_at=None, twice=False):
+def train_task(
+    ctx, bucket, steps=4, accumulate=0, branch=None, freeze_at=None, twice=False, collective="auto"
+):
     """Train both; optionally accumulate under no_sync, use a branch on some ranks/steps,
     freeze fc1 for steps [freeze_at, freeze_at + 2), or run two forwards per backward."""
     net = {"branch": branch is not None}
     ddp_kw = {"find_unused_parameters": branch is not None or freeze_at is not None}
-    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw)
+    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw, collective=collective)
     checks = []
     for step in range(steps):
         if freeze_at is not None:
@@ -65,10 +67,11 @@ def _assert_parity(results, world_id, check_within=True):
                 assert r["checks"][0]["within"]
 
 
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_parity_with_ddp_and_oss(pool, world, bucket):
-    results = pool.run(train_task, bucket, **world)
+def test_parity_with_ddp_and_oss(pool, world, bucket, collective):
+    results = pool.run(train_task, bucket, collective=collective, **world)
     _assert_parity(results, WORLD_IDS[WORLDS.index(world)])
 
 
@@ -85,8 +88,9 @@ def test_parity_with_ddp_and_oss(pool, world, bucket):
     ],
     ids=["no_sync", "freeze_unfreeze", "unused_some_ranks", "unused_all_ranks", "two_forwards"],
 )
-def test_features_match_ddp(pool, world, bucket, scenario):
-    results = pool.run(train_task, bucket, **scenario, **world)
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_features_match_ddp(pool, world, bucket, scenario, collective):
+    results = pool.run(train_task, bucket, **scenario, collective=collective, **world)
     _assert_parity(results, "ws4" if world.get("world_size") == 4 else "ws2", False)
 
 
@@ -96,11 +100,12 @@ def _bf16_hook(group, bucket):
     return default_hooks._compress_hook(torch.bfloat16, group, bucket)
 
 
-def compressed_task(ctx, bucket, wire):
+def compressed_task(ctx, bucket, wire, collective):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire]
     kwargs = {"reduce_fp16": True} if wire == "fp16" else {"reduce_dtype": dtype}
+    kwargs["collective"] = collective
     sdp, opt, ddp, ref_opt = pair(ctx, bucket, **kwargs)
     # bf16_compress_hook itself is refused off CUDA; this is its body (torch's own function)
     hook = default_hooks.fp16_compress_hook if wire == "fp16" else _bf16_hook
@@ -116,10 +121,11 @@ def compressed_task(ctx, bucket, wire):
     return checks, torch.equal(flat(sdp.module), flat(ddp.module))
 
 
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_compressed_reduction_matches_ddp_compress_hooks(pool, bucket, wire):
-    for checks, exact in pool.run(compressed_task, bucket, wire, world_size=2):
+def test_compressed_reduction_matches_ddp_compress_hooks(pool, bucket, wire, collective):
+    for checks, exact in pool.run(compressed_task, bucket, wire, collective, world_size=2):
         assert exact and all(c["exact"] and c["sharded"] for c in checks)
 
 
@@ -226,14 +232,14 @@ def test_clip_grad_norm_is_global(pool, world):
         assert norms[0::2] == norms[1::2] and max(norms) > 0.5 and exact
 
 
-def host_reads_task(ctx, bucket, branch=None):
+def host_reads_task(ctx, bucket, branch=None, collective="auto"):
     """Host reads of tensor values in one forward + backward, SDP against DDP; the counter
     must see a deliberate ``.item()`` and ``.tolist()`` (so it cannot be blind)."""
     from sdp_utils import HostReads
 
     net = {"branch": branch is not None}
     ddp_kw = {"find_unused_parameters": branch is not None}
-    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw)
+    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw, collective=collective)
     counts = {}
     for step in range(3):
         use_branch = branch is not None and (step + ctx.rank * branch) % 2 == 0
@@ -250,10 +256,11 @@ def host_reads_task(ctx, bucket, branch=None):
     return {"counts": counts, "control": control.reads, "exact": exact}
 
 
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_forward_and_backward_read_no_tensor_value_on_the_host(pool, bucket):
+def test_forward_and_backward_read_no_tensor_value_on_the_host(pool, bucket, collective):
     # DDP without find_unused_parameters reads none; neither may SDP (each is a sync on CUDA)
-    for r in pool.run(host_reads_task, bucket, world_size=2):
+    for r in pool.run(host_reads_task, bucket, collective=collective, world_size=2):
         assert r["control"] == ["aten._local_scalar_dense", "tolist"], r["control"]
         assert r["counts"]["ddp"] == [[], [], []]
         assert r["counts"]["sdp"] == [[], [], []], r["counts"]["sdp"]

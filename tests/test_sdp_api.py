@@ -10,7 +10,7 @@ from sdp_utils import Net, batch, pair
 
 from oss_plus import OSS, ShardedDataParallel
 from oss_plus.data_parallel import _validate
-from oss_plus.data_parallel.plan import GradSpec, plan_buckets
+from oss_plus.data_parallel.plan import GradSpec, launch_groups, plan_buckets
 from oss_plus.data_parallel.reducer import NOTHING_TO_REDUCE, SECOND_BACKWARD
 
 
@@ -49,6 +49,23 @@ def test_plan_orders_buckets_by_when_backward_completes_them():
     assert [b.members for b in plan.buckets] == [(5, 3, 1), (4, 2, 0)]
 
 
+@pytest.mark.parametrize("cap", [0, 5, 100])
+def test_scatter_groups_hold_one_bucket_per_owner_in_plan_order(cap):
+    sizes, owners = [3, 4, 2, 8, 1, 5, 6, 2], [0, 1, 0, 1, 0, 2, 2, 1]
+    keys = ["f32"] * 6 + ["bf16"] * 2
+    plan = plan_buckets(_specs(sizes, owners, keys), cap)
+    bucket_keys = [keys[b.members[0]] for b in plan.buckets]
+    groups = launch_groups(plan, scatter=True, keys=bucket_keys)
+    assert [b for g in groups for b in g.buckets] == list(range(len(plan.buckets)))
+    for g in groups:
+        assert len({plan.buckets[b].owner for b in g.buckets}) == len(g.buckets)
+        assert len({bucket_keys[b] for b in g.buckets}) == 1
+        assert g.segment == max(plan.buckets[b].numel for b in g.buckets)
+    assert len(groups) < len(plan.buckets)  # some buckets do travel together
+    single = launch_groups(plan, scatter=False)
+    assert [g.buckets for g in single] == [(b,) for b in range(len(plan.buckets))]
+
+
 # ----------------------------------------------------------------- bad input on every rank
 def bad_input_task(ctx, case):
     torch.manual_seed(0)
@@ -81,6 +98,9 @@ def bad_input_task(ctx, case):
     if case == "bad_reduce_dtype":
         opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
         return catch(ShardedDataParallel, model, opt, ctx.group, reduce_dtype=torch.int8)
+    if case == "bad_collective":
+        opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+        return catch(ShardedDataParallel, model, opt, ctx.group, collective="all_reduce")
     if case == "moved":
         opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
         sdp = ShardedDataParallel(model, opt, ctx.group)
@@ -97,6 +117,7 @@ CASES = {
     "shared_param": ("ValueError", "is in optimizers 0 and 1"),
     "bad_reduce_dtype": ("ValueError", "reduce_dtype must be"),
     "moved": ("ValueError", "moved from cpu to meta"),
+    "bad_collective": ("ValueError", "collective must be 'auto', 'reduce' or 'reduce_scatter'"),
 }
 
 
@@ -262,6 +283,7 @@ def surface_task(ctx):
     with sdp.no_sync(), ddp.no_sync():
         values["in no_sync"] = (sdp.require_backward_grad_sync, ddp.require_backward_grad_sync)
     values["fairscale"] = {n: (getattr(sdp, n), getattr(theirs, n)) for n in ("device_type",)}
+    values["collective"] = sdp.collective  # "auto" on gloo
     # setting require_backward_grad_sync (as DDP's no_sync does) skips the reduction
     sdp.require_backward_grad_sync = False
     sdp(batch(0, ctx.rank)).sum().backward()
@@ -286,3 +308,4 @@ def test_ddp_attribute_surface_with_each_absence_explained(pool):
         assert values["in no_sync"] == (False, False)
         assert all(a == b for a, b in values["fairscale"].values())
         assert values["kept"]
+        assert values["collective"] == "reduce"

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from oss_plus._launch import pick_backend, run_local
 
 CONFIGS = ("oss_plus_sdp", "ddp_oss", "fairscale_sdp")
+#: Also accepted by --configs: oss_plus's SDP forced to one collective.
+EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
 def _model(width: int, layers: int, deep: bool = False) -> torch.nn.Module:
@@ -70,11 +72,13 @@ def _grad_bytes(params: Sequence[torch.Tensor]) -> int:
 
 
 def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tuple[Any, Any]:
-    if config == "oss_plus_sdp":
+    if config.startswith("oss_plus_sdp"):
         from oss_plus import OSS, ShardedDataParallel
 
+        collective = config.removeprefix("oss_plus_sdp").lstrip("_") or "auto"
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
-        return ShardedDataParallel(model, opt, reduce_buffer_size=bucket), opt
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket, collective=collective)
+        return sdp, opt
     if config == "ddp_oss":
         from torch.nn.parallel import DistributedDataParallel
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Bucket", "GradSpec", "ReducePlan", "plan_buckets"]
+__all__ = ["Bucket", "GradSpec", "LaunchGroup", "ReducePlan", "launch_groups", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,48 @@ def plan_buckets(specs: Sequence[GradSpec], bucket_numel: int) -> ReducePlan:
 def _last_position(members: Sequence[int], count: int) -> int:
     """Position, in reverse registration order, of the member backward reaches last."""
     return max(count - 1 - i for i in members)
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    """Buckets sent in one collective: one bucket (``dist.reduce`` to its owner), or up to
+    one bucket per owner (``reduce_scatter_tensor``: segment ``r`` of the input holds rank
+    ``r``'s bucket, every segment padded to ``segment`` elements).
+
+    Attributes:
+        buckets: bucket indices, in plan order.
+        segment: the padded segment length (the largest bucket of the group).
+    """
+
+    buckets: tuple[int, ...]
+    segment: int
+
+
+def launch_groups(
+    plan: ReducePlan, scatter: bool, keys: Sequence[Hashable] | None = None
+) -> tuple[LaunchGroup, ...]:
+    """Group consecutive buckets with distinct owners and equal keys (``scatter``, where
+    ``keys[b]`` is bucket ``b``'s dtype and device), or one bucket each.
+
+    Groups keep the plan order, so launching them in order launches the buckets in order.
+
+    Example:
+        >>> specs = [GradSpec(4, 0, "f"), GradSpec(2, 1, "f"), GradSpec(3, 0, "f")]
+        >>> plan = plan_buckets(specs, bucket_numel=0)
+        >>> [(g.buckets, g.segment) for g in launch_groups(plan, scatter=True)]
+        [((0, 1), 3), ((2,), 4)]
+    """
+    if not scatter:
+        return tuple(LaunchGroup((b,), bucket.numel) for b, bucket in enumerate(plan.buckets))
+    keys = keys if keys is not None else [None] * len(plan.buckets)
+    groups: list[LaunchGroup] = []
+    current: list[int] = []
+    for b, bucket in enumerate(plan.buckets):
+        clash = any(plan.buckets[c].owner == bucket.owner for c in current)
+        if current and (clash or keys[current[0]] != keys[b]):
+            groups.append(LaunchGroup(tuple(current), max(plan.buckets[c].numel for c in current)))
+            current = []
+        current.append(b)
+    if current:
+        groups.append(LaunchGroup(tuple(current), max(plan.buckets[c].numel for c in current)))
+    return tuple(groups)

@@ -4,18 +4,11 @@ One :class:`GradReducer` per plan; its cost per iteration is one post-accumulate
 call per param plus a few tensor ops per *bucket*, and it reads no tensor value on the host
 unless a rank owns a param that got no gradient on it (see "Unused params" below).
 
-Buffers. A bucket this rank owns (uncompressed, contiguous members) has a *persistent* flat
-buffer, allocated once, and its params' ``.grad`` are views of it, like DDP's
-``gradient_as_bucket_view``: a gradient accumulated into ``.grad`` lands in the bucket and
-nothing is copied. Other buckets are *transient*: allocated when their first gradient
-arrives, released when their collective completes; on a rank that does not own them each
-gradient is copied in and ``.grad`` is dropped at once (ZeRO-2). So the memory is 1/N of
-the gradients plus the buckets in flight.
-
-Order. A bucket is launched when all its members are in and every bucket before it in the
-plan is launched, so every rank issues the same collectives in the same order. At launch
-the bucket is scaled by ``1 / world_size`` (DDP's ``mul_out``; compressed: cast, then
-divided in the wire dtype, as DDP's compress hooks).
+Buckets (:mod:`~oss_plus.data_parallel.buckets`): the params a rank owns have their
+``.grad`` as views of persistent flat buckets (nothing is copied when a gradient accumulates
+into them); other gradients are copied into transient buckets as they arrive and, on a rank
+that does not own them, dropped at once (ZeRO-2). Buckets are sent in plan order, each as
+soon as it and every bucket before it are full, so every rank issues the same collectives.
 
 Unused params. At the end of backward (an autograd engine callback) a member whose hook
 did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Then one small
@@ -29,7 +22,6 @@ Every work handle is waited for before the callback returns; nothing outlives th
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
@@ -39,7 +31,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from oss_plus import _dist
-from oss_plus.data_parallel.compress import buffer_dtype
+from oss_plus.data_parallel.buckets import Buckets
 from oss_plus.data_parallel.plan import ReducePlan
 
 __all__ = ["GradReducer", "NOTHING_TO_REDUCE", "SECOND_BACKWARD"]
@@ -57,8 +49,6 @@ NOTHING_TO_REDUCE = (
     "ShardedDataParallel.reduce(): no gradients are waiting to be reduced (no forward in "
     "training mode since the last reduction). Call it after a backward run inside no_sync()"
 )
-
-_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 class _State(Enum):
@@ -89,27 +79,19 @@ class GradReducer:
         plan: ReducePlan,
         group: Any,
         wire: torch.dtype | None,
+        collective: str = "reduce",
     ) -> None:
         self.params = list(params)
         self.plan = plan
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        buckets = plan.buckets
-        self._dst = [_dist.global_rank(group, b.owner) for b in buckets]
-        self._members = [[self.params[i] for i in b.members] for b in buckets]
-        self._counts = [len(b.members) for b in buckets]
-        self._owned = [b.owner == self.rank for b in buckets]
-        self._dtype = [buffer_dtype(m[0].dtype, wire) for m in self._members]
-        self._compressed = [d != m[0].dtype for d, m in zip(self._dtype, self._members)]
+        self.collective = collective
+        self._buckets = Buckets(self.params, plan, group, wire, collective)
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
-        for b, bucket in enumerate(buckets):
+        for b, bucket in enumerate(plan.buckets):
             for slot, index in enumerate(bucket.members):
                 self._bucket_of[index], self._slot_of[index] = b, slot
-        self._flats: list[torch.Tensor | None] = [None] * len(buckets)
-        self._views: list[list[torch.Tensor] | None] = [None] * len(buckets)
-        self._allocate_persistent()
+        self._counts = [len(b.members) for b in plan.buckets]
         self._state = _State.IDLE
         self._pending = False
         self._reset()
@@ -118,29 +100,12 @@ class GradReducer:
             for i, p in enumerate(self.params)
         ]
 
-    @torch.no_grad()
-    def _allocate_persistent(self) -> None:
-        """One flat buffer per owned, uncompressed bucket; its params' grads are views of it."""
-        for b, bucket in enumerate(self.plan.buckets):
-            members = self._members[b]
-            if not self._owned[b] or self._compressed[b]:
-                continue
-            if not all(p.is_contiguous() for p in members):
-                continue  # a view could not honour the param's strides: copy instead
-            flat = torch.zeros(bucket.numel, dtype=self._dtype[b], device=members[0].device)
-            self._flats[b] = flat
-            self._views[b] = list(_unflatten(flat, members))
-
     def _reset(self) -> None:
-        count = len(self.plan.buckets)
+        self._buckets.reset()
         self._left = list(self._counts)
         self._fired = bytearray(len(self.params))  # 1: has a gradient in this reduction
-        self._staged: list[list[torch.Tensor] | None] = [None] * count
-        self._buffers: list[torch.Tensor | None] = [None] * count
         self._unused: dict[int, list[int]] = {}  # bucket -> slots with no local gradient
         self._deferred: list[tuple[int, torch.Tensor]] = []  # owned, unused: (index, sum)
-        self._next = 0
-        self._works: deque[tuple[int, Any]] = deque()
 
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
@@ -193,9 +158,11 @@ class GradReducer:
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         """The hook of param ``index``: the only per-param Python work of an iteration."""
-        reducer, b = self, self._bucket_of[index]
-        views = self._views[b]
-        view = None if views is None else views[self._slot_of[index]]
+        reducer, buckets = self, self._buckets
+        b, slot = self._bucket_of[index], self._slot_of[index]
+        views = buckets.views[b]
+        view = None if views is None else views[slot]
+        owned = buckets.owned[b]
 
         def hook(param: torch.Tensor) -> None:
             if reducer._state is not _RUNNING and not reducer._begin():
@@ -205,7 +172,7 @@ class GradReducer:
                 return  # a second gradient in the same backward (reentrant): already in
             fired[index] = 1
             if view is None:
-                reducer._stage(b, index, param)
+                _stage(buckets.staged(b)[slot], param, owned)
             else:
                 grad: torch.Tensor = param.grad  # type: ignore[assignment]  # set: it fired
                 if grad is not view:
@@ -215,103 +182,49 @@ class GradReducer:
                     param.grad = view
             left = reducer._left
             left[b] -= 1
-            if left[b] == 0 and b == reducer._next:
-                reducer._launch_ready()
+            if left[b] == 0:
+                buckets.bucket_full(b)
 
         return hook
 
-    def _stage(self, b: int, index: int, param: torch.Tensor) -> None:
-        """Copy ``param``'s gradient into transient bucket ``b``; drop it if not owned."""
-        staged = self._staged[b]
-        if staged is None:
-            staged = self._open(b)
-        grad = param.grad
-        assert grad is not None
-        staged[self._slot_of[index]].copy_(grad.detach() if grad.requires_grad else grad)
-        if not self._owned[b]:
-            param.grad = None  # copied: free it now
-
-    def _open(self, b: int) -> list[torch.Tensor]:
-        """Allocate transient bucket ``b``; return views of it shaped like its members."""
-        members = self._members[b]
-        flat = torch.empty(
-            self.plan.buckets[b].numel, dtype=self._dtype[b], device=members[0].device
-        )
-        self._buffers[b] = flat
-        staged = self._staged[b] = list(_unflatten(flat, members))
-        return staged
-
-    # ----------------------------------------------------------------- launching
-    def _launch_ready(self) -> None:
-        left, count = self._left, len(self._left)
-        while self._next < count and left[self._next] == 0:
-            self._launch(self._next)
-            self._next += 1
-
-    @torch.no_grad()
-    def _launch(self, b: int) -> None:
-        flat = self._flats[b]
-        if flat is None:
-            if self._staged[b] is None:
-                self._open(b)
-            flat = self._buffers[b]
-            assert flat is not None
-        if self._compressed[b]:
-            flat.div_(self.world_size)
-        else:
-            flat.mul_(1.0 / self.world_size)
-        with torch.profiler.record_function("oss_plus::sdp::reduce_bucket"):
-            work = dist.reduce(flat, dst=self._dst[b], group=self.group, async_op=True)
-        self._works.append((b, work))
-        while self._works and self._works[0][1].is_completed():
-            self._complete_oldest()  # release finished transient buffers early
-
-    # ----------------------------------------------------------------- completion
-    def _complete_oldest(self) -> None:
-        b, work = self._works.popleft()
-        work.wait()
-        if self._flats[b] is not None:
-            return  # persistent: the grads (views) hold the averages already
-        staged, members = self._staged[b], self._members[b]
-        self._staged[b] = self._buffers[b] = None  # released (the views below keep theirs)
-        if not self._owned[b]:
-            return
-        assert staged is not None
-        unused = self._unused.get(b, ())
-        grads: list[torch.Tensor] = []
-        sums: list[torch.Tensor] = []
-        for slot, (param, view) in enumerate(zip(members, staged)):
-            if slot in unused:
-                self._deferred.append((self.plan.buckets[b].members[slot], view))
-            elif param.grad is not None:
-                grads.append(param.grad)
-                sums.append(view)
-        if grads:
-            torch._foreach_copy_(grads, sums)  # widen into the owner's grads
+    def _take_results(self) -> None:
+        """Owner of transient buckets: widen the sums into its grads (unused: deferred)."""
+        for b, sums in self._buckets.results:
+            unused = self._unused.get(b, ())
+            grads, values = [], []
+            for slot, (param, value) in enumerate(zip(self._buckets.members[b], sums)):
+                if slot in unused:
+                    self._deferred.append((self.plan.buckets[b].members[slot], value))
+                elif param.grad is not None:
+                    grads.append(param.grad)
+                    values.append(value)
+            if grads:
+                torch._foreach_copy_(grads, values)
+        self._buckets.results = []
 
     @torch.no_grad()
     def _fill_missing(self) -> None:
         """End of backward: complete the buckets whose hooks did not all fire."""
-        for b in range(self._next, len(self._left)):
-            if self._left[b] == 0:
+        for b, left in enumerate(self._left):
+            if left == 0:
                 continue
-            views = self._views[b]
+            views = self._buckets.views[b]
             for slot, index in enumerate(self.plan.buckets[b].members):
                 if self._fired[index]:
                     continue
                 param = self.params[index]
                 if param.grad is None:
                     self._unused.setdefault(b, []).append(slot)
-                    target = views or self._staged[b] or self._open(b)
-                    target[slot].zero_()
+                    (views or self._buckets.staged(b))[slot].zero_()
                     continue
                 self._fired[index] = 1  # accumulated earlier (no_sync): counts as used
                 if views is None:
-                    self._stage(b, index, param)
+                    _stage(self._buckets.staged(b)[slot], param, self._buckets.owned[b])
                 elif param.grad is not views[slot]:
                     views[slot].copy_(param.grad)
                     param.grad = views[slot]
             self._left[b] = 0
+        self._buckets.mark_all_full()
 
     def _launch_flags(self) -> tuple[torch.Tensor, Any] | None:
         """All-reduce (MAX) the per-param "had a gradient" bytes; no device value is read."""
@@ -326,8 +239,8 @@ class GradReducer:
     def _settle_unused(self, anywhere: list[int]) -> None:
         """Owner, for params it had no gradient for: a gradient iff some rank had one."""
         for b, slots in self._unused.items():
-            views = self._views[b]
-            if views is None:
+            views = self._buckets.views[b]
+            if views is None or not self._buckets.owned[b]:
                 continue  # transient: in self._deferred
             for slot in slots:
                 index = self.plan.buckets[b].members[slot]
@@ -339,17 +252,27 @@ class GradReducer:
     def _finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, settle unused."""
         with torch.profiler.record_function("oss_plus::sdp::flush"):
-            if self._next < len(self._left):
+            buckets = self._buckets
+            if buckets.next < len(buckets.groups):
                 self._fill_missing()
-                self._launch_ready()
+                buckets.launch_ready()
             flags = self._launch_flags()
-            while self._works:
-                self._complete_oldest()
+            buckets.complete_all()
+            self._take_results()
             if flags is not None:
                 flags[1].wait()
-                owned_unused = any(self._owned[b] for b in self._unused)
-                if owned_unused:  # the one host read, only when this rank lacks a gradient
-                    self._settle_unused(flags[0].tolist())
+                if any(buckets.owned[b] for b in self._unused):
+                    self._settle_unused(flags[0].tolist())  # the one host read, only then
             self._unused, self._deferred = {}, []
             self._state = _State.DONE
             self._pending = False
+
+
+def _stage(out: torch.Tensor, param: torch.Tensor, owned: bool) -> None:
+    """Copy ``param``'s gradient into its slot ``out`` of a transient bucket; drop it unless
+    this rank owns it (then it receives the sum later)."""
+    grad = param.grad
+    assert grad is not None
+    out.copy_(grad.detach() if grad.requires_grad else grad)
+    if not owned:
+        param.grad = None  # copied: free it now

@@ -21,6 +21,7 @@ from torch import nn
 
 from oss_plus import _dist
 from oss_plus.data_parallel import _validate
+from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
 from oss_plus.data_parallel.plan import GradSpec, plan_buckets
 from oss_plus.data_parallel.reducer import GradReducer
@@ -64,11 +65,16 @@ class ShardedDataParallel(nn.Module):
         warn_on_trainable_params_changed: log a warning when trainability changes.
         reduce_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``
             (``reduce_fp16=True`` wins).
+        collective: keyword-only, how buckets travel: ``"reduce"`` (each to its owner),
+            ``"reduce_scatter"`` (buckets of different owners in one
+            ``reduce_scatter_tensor``) or ``"auto"``: reduce on gloo (measured faster),
+            reduce_scatter on NCCL.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
         ValueError: an optimizer over other ranks, trainable params in no optimizer, a param
-            in two optimizers, params on several device types, a bad ``reduce_dtype``.
+            in two optimizers, params on several device types, a bad ``reduce_dtype`` or
+            ``collective``.
         All are raised on every rank of ``process_group``.
 
     Example:
@@ -93,6 +99,7 @@ class ShardedDataParallel(nn.Module):
         warn_on_trainable_params_changed: bool = True,
         *,
         reduce_dtype: torch.dtype | None = None,
+        collective: str = "auto",
     ) -> None:
         super().__init__()
         self.module = module
@@ -102,6 +109,7 @@ class ShardedDataParallel(nn.Module):
         try:
             self._optimizers = _validate.check_optimizers(sharded_optimizer, self.process_group)
             self._wire = resolve_wire(reduce_fp16, reduce_dtype)
+            self.collective = pick_collective(collective, self.process_group)
             types = sorted({p.device.type for p in module.parameters()})
             if len(types) > 1:
                 raise ValueError(_validate.MIXED_DEVICE_TYPES.format(types=types))
@@ -313,7 +321,9 @@ class ShardedDataParallel(nn.Module):
         plan = plan_buckets(specs, self.reduce_buffer_size)
         if self._reducer is not None:
             self._reducer.remove()
-        self._reducer = GradReducer(trainable, plan, self.process_group, self._wire)
+        self._reducer = GradReducer(
+            trainable, plan, self.process_group, self._wire, self.collective
+        )
         self._module_buffers = list(self.module.buffers())
         self._submodules = list(self.module.modules())
         self._params = self._current_params()
