@@ -116,7 +116,8 @@ class Buckets:
 
     def reset(self) -> None:
         """Forget the transient buffers and the launch state (a new reduction starts)."""
-        self._staged: list[list[torch.Tensor] | None] = [None] * len(self.plan.buckets)
+        #: Transient buckets open now: views shaped like their members (None: not open).
+        self.open: list[list[torch.Tensor] | None] = [None] * len(self.plan.buckets)
         self._buffers: list[torch.Tensor | None] = [None] * len(self.plan.buckets)
         self._inputs: list[torch.Tensor | None] = [None] * len(self.groups)
         self._left = [len(g.buckets) for g in self.groups]
@@ -128,10 +129,10 @@ class Buckets:
     # ----------------------------------------------------------------- filling
     def staged(self, b: int) -> list[torch.Tensor]:
         """Views (shaped like the members) of transient bucket ``b``, allocated on demand."""
-        staged = self._staged[b]
+        staged = self.open[b]
         if staged is None:
             flat = self._buffers[b] = self._segment(b)
-            staged = self._staged[b] = list(_unflatten(flat, self.members[b]))
+            staged = self.open[b] = list(_unflatten(flat, self.members[b]))
         return staged
 
     def _segment(self, b: int) -> torch.Tensor:
@@ -220,8 +221,8 @@ class Buckets:
         g, work, out = self._works.popleft()
         work.wait()
         for b in self.groups[g].buckets:
-            staged = self._staged[b]
-            self._staged[b] = self._buffers[b] = None
+            staged = self.open[b]
+            self.open[b] = self._buffers[b] = None
             if not self.owned[b] or self.flats[b] is not None:
                 continue  # not ours, or persistent: the grads (views) hold the sums already
             if out is not None:  # reduce_scatter: the sum is in the output, not the input

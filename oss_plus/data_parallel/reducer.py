@@ -92,6 +92,8 @@ class GradReducer:
             for slot, index in enumerate(bucket.members):
                 self._bucket_of[index], self._slot_of[index] = b, slot
         self._counts = [len(b.members) for b in plan.buckets]
+        self._persistent = [b for b, v in enumerate(self._buckets.views) if v is not None]
+        self._zeroed = bytearray(len(self.params))  # grads set by _preset, until reduced
         self._state = _State.IDLE
         self._pending = False
         self._reset()
@@ -119,6 +121,32 @@ class GradReducer:
         self._reset()
         self._state = _State.ARMED if reduce else _State.IDLE
         self._pending = True
+        if reduce:
+            self._preset()
+        else:  # accumulating (no_sync): a zeroed view now gathers real gradients
+            self._zeroed = bytearray(len(self.params))
+
+    @torch.no_grad()
+    def _preset(self) -> None:
+        """Owned grads that are None become zeroed views of their bucket, so backward
+        accumulates into the bucket (in C++) and the hook copies nothing. Remembered in
+        ``_zeroed``: such a param that gets no gradient still counts as having none."""
+        buckets = self._buckets
+        for b in self._persistent:
+            members, views = buckets.members[b], buckets.views[b]
+            assert views is not None
+            empty = [slot for slot, p in enumerate(members) if p.grad is None]
+            if not empty:
+                continue
+            if len(empty) == len(members):
+                flat = buckets.flats[b]
+                assert flat is not None
+                flat.zero_()
+            for slot in empty:
+                if len(empty) < len(members):
+                    views[slot].zero_()
+                members[slot].grad = views[slot]
+                self._zeroed[self.plan.buckets[b].members[slot]] = 1
 
     def quiet(self) -> None:
         """Called at a forward that must not reduce (eval mode, no_grad): a backward through
@@ -164,22 +192,39 @@ class GradReducer:
         view = None if views is None else views[slot]
         owned = buckets.owned[b]
 
-        def hook(param: torch.Tensor) -> None:
+        def staging_hook(param: torch.Tensor) -> None:  # copied into a transient bucket
+            if reducer._state is not _RUNNING and not reducer._begin():
+                return
+            fired = reducer._fired
+            if fired[index]:
+                return
+            fired[index] = 1
+            grad: torch.Tensor = param.grad  # type: ignore[assignment]
+            (buckets.open[b] or buckets.staged(b))[slot].copy_(
+                grad.detach() if grad.requires_grad else grad
+            )
+            if not owned:
+                param.grad = None  # copied: free it now (ZeRO-2)
+            left = reducer._left
+            left[b] -= 1
+            if left[b] == 0:
+                buckets.bucket_full(b)
+
+        if view is None:
+            return staging_hook
+        bucket_view: torch.Tensor = view
+
+        def hook(param: torch.Tensor) -> None:  # an owned param: .grad is a bucket view
             if reducer._state is not _RUNNING and not reducer._begin():
                 return
             fired = reducer._fired
             if fired[index]:
                 return  # a second gradient in the same backward (reentrant): already in
             fired[index] = 1
-            if view is None:
-                _stage(buckets.staged(b)[slot], param, owned)
-            else:
-                grad: torch.Tensor = param.grad  # type: ignore[assignment]  # set: it fired
-                if grad is not view:
-                    if grad.requires_grad:  # create_graph=True: keep the bucket out of it
-                        grad = grad.detach()
-                    view.copy_(grad)
-                    param.grad = view
+            grad: torch.Tensor = param.grad  # type: ignore[assignment]  # set: it fired
+            if grad is not bucket_view:
+                bucket_view.copy_(grad.detach() if grad.requires_grad else grad)  # create_graph
+                param.grad = bucket_view
             left = reducer._left
             left[b] -= 1
             if left[b] == 0:
@@ -213,7 +258,8 @@ class GradReducer:
                 if self._fired[index]:
                     continue
                 param = self.params[index]
-                if param.grad is None:
+                preset = self._zeroed[index] and views is not None and param.grad is views[slot]
+                if param.grad is None or preset:
                     self._unused.setdefault(b, []).append(slot)
                     (views or self._buckets.staged(b))[slot].zero_()
                     continue
@@ -264,6 +310,7 @@ class GradReducer:
                 if any(buckets.owned[b] for b in self._unused):
                     self._settle_unused(flags[0].tolist())  # the one host read, only then
             self._unused, self._deferred = {}, []
+            self._zeroed = bytearray(len(self.params))
             self._state = _State.DONE
             self._pending = False
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import operator
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -31,8 +32,10 @@ __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
 
-#: What the reduce plan depends on, per param, read in one C-level pass at every forward.
-_SIGNATURE = operator.attrgetter("requires_grad", "dtype", "device")
+#: Read from every param at each forward (C-level passes): trainability, and the address of
+#: its data, which changes whenever ``module.to(...)`` / ``.double()`` replace it.
+_TRAINABLE = operator.attrgetter("requires_grad")
+_ADDRESS = torch.Tensor.data_ptr
 
 #: Logged (once per change) when trainability changes are detected at forward.
 TRAINABLE_CHANGED = (
@@ -136,8 +139,10 @@ class ShardedDataParallel(nn.Module):
         self._accumulate = False
         self._devices = [p.device for p in module.parameters()]
         self._submodules: list[nn.Module] = []
+        self._registered_at_plan: list[Any] = []
         self._params: list[torch.Tensor] = []
-        self._signature: list[tuple[Any, ...]] = []
+        self._trainable: list[bool] = []
+        self._addresses: list[int] = []
         self._plans: list[Any] = []
         self._module_buffers: list[torch.Tensor] = []
         self._reducer: GradReducer | None = None
@@ -282,26 +287,25 @@ class ShardedDataParallel(nn.Module):
                     _validate.MODULE_MOVED.format(name=name, before=before, after=param.device)
                 )
 
-    def _current_params(self) -> list[torch.Tensor]:
-        """The module's params (``module.parameters()``, from the cached submodule list)."""
-        found = (p for m in self._submodules for p in m._parameters.values() if p is not None)
-        return list(dict.fromkeys(found))
+    def _registered(self) -> list[Any]:
+        """Every entry of the submodules' parameter dicts, shared params repeated."""
+        return list(chain.from_iterable([m._parameters.values() for m in self._submodules]))
 
     def _refresh_if_changed(self) -> None:
         """Re-plan when the params or the partition changed (C-level passes when not)."""
-        params = self._current_params()
-        signature = list(map(_SIGNATURE, params))
+        registered = self._registered()
+        trainable = list(map(_TRAINABLE, self._params))
         plans = [o.plan for o in self._optimizers]
         if (
-            signature == self._signature
-            and len(params) == len(self._params)
-            and all(map(operator.is_, params, self._params))
+            len(registered) == len(self._registered_at_plan)
+            and all(map(operator.is_, registered, self._registered_at_plan))
+            and trainable == self._trainable
+            and list(map(_ADDRESS, self._params)) == self._addresses
             and all(map(operator.is_, plans, self._plans))
         ):
             return
         self._check_devices()
-        trainable = [s[0] for s in signature]
-        if trainable != [s[0] for s in self._signature]:
+        if trainable != self._trainable:
             if not self.auto_refresh_trainable:
                 self._replan()  # the user refreshes the optimizer; route what we see
                 return
@@ -309,7 +313,7 @@ class ShardedDataParallel(nn.Module):
                 logger.warning(TRAINABLE_CHANGED)
             self.refresh_trainable()
         else:
-            logger.info("the optimizer's partition or the params' dtypes changed: re-planning")
+            logger.info("the params or the optimizer's partition changed: re-planning")
             self._replan()
 
     def _replan(self) -> None:
@@ -326,6 +330,8 @@ class ShardedDataParallel(nn.Module):
         )
         self._module_buffers = list(self.module.buffers())
         self._submodules = list(self.module.modules())
-        self._params = self._current_params()
-        self._signature = list(map(_SIGNATURE, self._params))
+        self._registered_at_plan = self._registered()
+        self._params = list(self.module.parameters())
+        self._trainable = list(map(_TRAINABLE, self._params))
+        self._addresses = list(map(_ADDRESS, self._params))
         self._plans = [o.plan for o in self._optimizers]
