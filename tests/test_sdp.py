@@ -253,7 +253,9 @@ def host_reads_task(ctx, bucket, branch=None, collective="auto"):
         torch.ones(2).sum().item()
         torch.ones(2).tolist()
     exact = torch.equal(flat(sdp.module), flat(ddp.module))
-    return {"counts": counts, "control": control.reads, "exact": exact}
+    grads = [p.grad for p in sdp.module.parameters() if p.grad is not None]
+    storages = len({g.untyped_storage().data_ptr() for g in grads})  # owned grads' buckets
+    return {"counts": counts, "control": control.reads, "exact": exact, "storages": storages}
 
 
 @pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
@@ -265,6 +267,8 @@ def test_forward_and_backward_read_no_tensor_value_on_the_host(pool, bucket, col
         assert r["counts"]["ddp"] == [[], [], []]
         assert r["counts"]["sdp"] == [[], [], []], r["counts"]["sdp"]
         assert r["exact"]
+        if bucket == 2**23:  # one bucket per owner: the owned grads are views of one buffer
+            assert r["storages"] == 1
 
 
 def test_an_owner_without_a_gradient_reads_the_used_flags_once(pool):

@@ -141,7 +141,7 @@ class ShardedDataParallel(nn.Module):
         self._submodules: list[nn.Module] = []
         self._registered_at_plan: list[Any] = []
         self._params: list[torch.Tensor] = []
-        self._trainable: list[bool] = []
+        self._requires_grad: list[bool] = []
         self._addresses: list[int] = []
         self._plans: list[Any] = []
         self._module_buffers: list[torch.Tensor] = []
@@ -299,13 +299,13 @@ class ShardedDataParallel(nn.Module):
         if (
             len(registered) == len(self._registered_at_plan)
             and all(map(operator.is_, registered, self._registered_at_plan))
-            and trainable == self._trainable
+            and trainable == self._requires_grad
             and list(map(_ADDRESS, self._params)) == self._addresses
             and all(map(operator.is_, plans, self._plans))
         ):
             return
         self._check_devices()
-        if trainable != self._trainable:
+        if trainable != self._requires_grad:
             if not self.auto_refresh_trainable:
                 self._replan()  # the user refreshes the optimizer; route what we see
                 return
@@ -332,6 +332,6 @@ class ShardedDataParallel(nn.Module):
         self._submodules = list(self.module.modules())
         self._registered_at_plan = self._registered()
         self._params = list(self.module.parameters())
-        self._trainable = list(map(_TRAINABLE, self._params))
+        self._requires_grad = list(map(_TRAINABLE, self._params))
         self._addresses = list(map(_ADDRESS, self._params))
         self._plans = [o.plan for o in self._optimizers]
