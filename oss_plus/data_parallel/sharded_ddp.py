@@ -2,9 +2,12 @@
 
 A drop-in for ``fairscale.nn.data_parallel.ShardedDataParallel`` (fairscale 0.4.13): same
 constructor, ``forward``, ``no_sync()``, ``refresh_trainable()``, ``reduce()``,
-``sync_buffers()``, ``zero_grad()`` and attribute fall-through. Ownership comes from the
+``sync_buffers()``, ``zero_grad()`` and attribute fall-through, plus the attributes
+trainers read from DDP (``is_multi_device_module``, ``device_type``, ``device``,
+``device_ids``, ``output_device``, ``require_backward_grad_sync``). Ownership comes from the
 sharded optimizer's public ``param_to_rank``; the reduction is planned by
-:mod:`oss_plus.data_parallel.plan` and run by :mod:`oss_plus.data_parallel.reducer`.
+:mod:`oss_plus.data_parallel.plan` and run by :mod:`oss_plus.data_parallel.reducer` over
+:mod:`oss_plus.data_parallel.buckets`.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ class ShardedDataParallel(nn.Module):
     After backward, a rank holds ``.grad`` only for the params its sharded optimizer owns
     (the others are ``None``), equal to the average over the ranks as DDP computes it.
     Gradients travel in buckets of up to ``reduce_buffer_size`` elements, reduced to their
-    owner while backward goes on; buckets are transient (unlike fairscale's, whose bucketed
-    grads are never sharded).
+    owner while backward goes on. The gradients a rank owns are views of persistent buckets
+    (like DDP's ``gradient_as_bucket_view``); the others pass through transient buckets and
+    are dropped (fairscale keeps every bucketed gradient on every rank).
 
     Args:
         module: the model, on its final device, identical on every rank.
