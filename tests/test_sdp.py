@@ -279,3 +279,46 @@ def test_an_owner_without_a_gradient_reads_the_used_flags_once(pool):
         assert all(reads in ([], ["tolist"]) for reads in r["counts"]["sdp"]), r["counts"]
         assert r["exact"]
     assert any(reads == ["tolist"] for r in results for reads in r["counts"]["sdp"])
+
+
+def launch_order_task(ctx, collective):
+    """Events of one backward: gradients produced (a hook registered after SDP's) and
+    collectives launched (dist.reduce / reduce_scatter_tensor, recorded)."""
+    from oss_plus.data_parallel import buckets as buckets_module
+
+    sdp, opt, _, _ = pair(ctx, 0, collective=collective)
+    events = []
+    for i, p in enumerate(sdp.module.parameters()):
+        p.register_post_accumulate_grad_hook(lambda _, i=i: events.append(("grad", i)))
+    real = buckets_module.dist
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def reduce(self, tensor, *args, **kwargs):
+            events.append(("send", tensor.numel()))
+            return real.reduce(tensor, *args, **kwargs)
+
+        def reduce_scatter_tensor(self, out, tensor, *args, **kwargs):
+            events.append(("send", tensor.numel()))
+            return real.reduce_scatter_tensor(out, tensor, *args, **kwargs)
+
+    buckets_module.dist = Recording()
+    try:
+        sdp(batch(0, ctx.rank)).pow(2).mean().backward()
+    finally:
+        buckets_module.dist = real
+    return events
+
+
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_buckets_are_sent_while_backward_still_produces_gradients(pool, collective):
+    for events in pool.run(launch_order_task, collective, world_size=2):
+        kinds = [kind for kind, _ in events]
+        assert "send" in kinds and kinds.count("grad") == 6, events
+        # overlap: the first bucket leaves before the last gradient exists
+        assert kinds.index("send") < len(kinds) - 1 - kinds[::-1].index("grad"), events
+        if collective == "reduce":  # one bucket per param: sent in its own gradient's hook
+            # (SDP's hook runs before the recording one), each before the next gradient
+            assert kinds == ["send", "grad"] * 6, events
