@@ -80,6 +80,7 @@ class GradReducer:
         group: Any,
         wire: torch.dtype | None,
         collective: str = "reduce",
+        record: bool = False,
     ) -> None:
         self.params = list(params)
         self.plan = plan
@@ -101,6 +102,21 @@ class GradReducer:
             p.register_post_accumulate_grad_hook(self._hook_for(i))
             for i, p in enumerate(self.params)
         ]
+        #: With ``record``: the order the first reducing backward produced the gradients in.
+        self.observed: list[int] | None = None
+        self._seen: list[int] = []
+        self._recorders = [
+            p.register_post_accumulate_grad_hook(self._recorder_for(i))
+            for i, p in enumerate(self.params)
+            if record
+        ]
+
+    def _recorder_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def record(_: torch.Tensor) -> None:
+            if self._state is _RUNNING:
+                self._seen.append(index)
+
+        return record
 
     def _reset(self) -> None:
         self._buckets.reset()
@@ -111,9 +127,9 @@ class GradReducer:
 
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
-        for handle in self._handles:
+        for handle in self._handles + self._recorders:
             handle.remove()
-        self._handles = []
+        self._handles, self._recorders = [], []
 
     # ----------------------------------------------------------------- pass control
     def start_pass(self, reduce: bool) -> None:
@@ -311,6 +327,11 @@ class GradReducer:
                     self._settle_unused(flags[0].tolist())  # the one host read, only then
             self._unused, self._deferred = {}, []
             self._zeroed = bytearray(len(self.params))
+            if self._recorders and self._seen:  # the first reducing backward: keep its order
+                self.observed = list(dict.fromkeys(self._seen))
+                for handle in self._recorders:
+                    handle.remove()
+                self._recorders = []
             self._state = _State.DONE
             self._pending = False
 

@@ -27,7 +27,7 @@ from oss_plus import _dist
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
-from oss_plus.data_parallel.plan import GradSpec, plan_buckets
+from oss_plus.data_parallel.plan import GradSpec, ReducePlan, plan_buckets
 from oss_plus.data_parallel.reducer import GradReducer
 from oss_plus.optimizer import OSS
 
@@ -174,6 +174,8 @@ class ShardedDataParallel(nn.Module):
         """
         with torch.profiler.record_function("oss_plus::sdp::forward"):
             self._refresh_if_changed()
+            if self._reducer is not None and self._reducer.observed is not None:
+                self._follow_observed_order(self._reducer.observed)
             if self.broadcast_buffers and self._module_buffers:
                 self._broadcast(self._module_buffers)
             assert self._reducer is not None
@@ -320,17 +322,39 @@ class ShardedDataParallel(nn.Module):
             logger.info("the params or the optimizer's partition changed: re-planning")
             self._replan()
 
-    def _replan(self) -> None:
-        """Rebuild the reduce plan and hooks from the optimizers' current partition."""
+    def _follow_observed_order(self, observed: list[int]) -> None:
+        """Once after a (re)plan, as DDP's bucket rebuild: adopt the order in which rank 0's
+        first backward produced the gradients, and re-plan if the buckets change. One
+        broadcast and one host read, at this forward only."""
+        assert self._reducer is not None
+        count = len(self._reducer.params)
+        order = torch.full((count,), -1, dtype=torch.int64)
+        order[: len(observed)] = torch.tensor(observed, dtype=torch.int64)
+        order = order.to(_dist.comm_device(self.process_group))
+        dist.broadcast(
+            order, src=_dist.global_rank(self.process_group, 0), group=self.process_group
+        )
+        agreed = [i for i in order.tolist() if i >= 0]
+        self._reducer.observed = None
+        if self._plan_for(agreed)[1] != self._reducer.plan:
+            logger.info("re-planning the buckets in the order backward produced the gradients")
+            self._replan(order=agreed)
+
+    def _plan_for(self, order: list[int] | None) -> tuple[list[torch.Tensor], ReducePlan]:
         named = list(self.module.named_parameters())
         owners = _validate.owners_of(self._optimizers, named)
-        trainable = [p for _, p in named if p.requires_grad]
+        trainable: list[torch.Tensor] = [p for _, p in named if p.requires_grad]
         specs = [GradSpec(p.numel(), owners[p], (p.dtype, p.device)) for p in trainable]
-        plan = plan_buckets(specs, self.reduce_buffer_size)
+        return trainable, plan_buckets(specs, self.reduce_buffer_size, order)
+
+    def _replan(self, order: list[int] | None = None) -> None:
+        """Rebuild the reduce plan and hooks from the optimizers' current partition (buckets
+        in ``order``; without one, the next backward's order is recorded and followed)."""
+        trainable, plan = self._plan_for(order)
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer = GradReducer(
-            trainable, plan, self.process_group, self._wire, self.collective
+            trainable, plan, self.process_group, self._wire, self.collective, order is None
         )
         self._module_buffers = list(self.module.buffers())
         self._submodules = list(self.module.modules())
