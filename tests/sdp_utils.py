@@ -122,3 +122,68 @@ def same_everywhere(ctx: Any, tensor: torch.Tensor) -> bool:
     gathered = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, tensor, group=ctx.group)
     return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _device_type(x: Any) -> str | None:
+    if isinstance(x, torch.Tensor):
+        return x.device.type
+    return torch.device(x).type if x is not None else None
+
+
+def _to_host(name: str, args: Any, kwargs: Any) -> bool:
+    """Whether a copy op moves values from a device to the CPU."""
+    if name.endswith("_to_copy"):
+        src, dst = args[0], (kwargs or {}).get("device")
+    else:
+        dst, src = args[0], args[1]
+    return _device_type(src) not in ("cpu", None) and _device_type(dst) == "cpu"
+
+
+class HostReads:
+    """Counts reads of tensor values on the host (each one a device sync on CUDA).
+
+    Counted: ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``)
+    and copies from a non-CPU device to the CPU, seen by a ``TorchDispatchMode``; and calls
+    of ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.cpu``, which on a CPU tensor reach no
+    kernel, so they are counted by patching the methods. ``reads`` lists what was seen.
+    """
+
+    _METHODS = ("tolist", "numpy", "cpu")
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        self._saved: dict[str, Any] = {}
+        self._mode: Any = None
+
+    def __enter__(self) -> HostReads:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self.reads
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                name = str(func.overloadpacket)
+                scalar = name.endswith("_local_scalar_dense")
+                if scalar or (
+                    name.endswith(("_to_copy", "copy_")) and _to_host(name, args, kwargs)
+                ):
+                    reads.append(name)
+                return func(*args, **(kwargs or {}))
+
+        for method in self._METHODS:
+            original = getattr(torch.Tensor, method)
+            self._saved[method] = original
+
+            def counted(t, *a, _name=method, _original=original, **k):  # noqa: ANN001
+                reads.append(_name)
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, method, counted)
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        for method, original in self._saved.items():
+            setattr(torch.Tensor, method, original)

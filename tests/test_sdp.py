@@ -18,12 +18,14 @@ def _loss(step, rank, use_branch=False):
     return lambda m: m(batch(step, rank), use_branch=use_branch).pow(2).mean()
 
 
-def train_task(ctx, bucket, steps=4, accumulate=0, branch=None, freeze_at=None, twice=False):
+def train_task(
+    ctx, bucket, steps=4, accumulate=0, branch=None, freeze_at=None, twice=False, collective="auto"
+):
     """Train both; optionally accumulate under no_sync, use a branch on some ranks/steps,
     freeze fc1 for steps [freeze_at, freeze_at + 2), or run two forwards per backward."""
     net = {"branch": branch is not None}
     ddp_kw = {"find_unused_parameters": branch is not None or freeze_at is not None}
-    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw)
+    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw, collective=collective)
     checks = []
     for step in range(steps):
         if freeze_at is not None:
@@ -65,10 +67,11 @@ def _assert_parity(results, world_id, check_within=True):
                 assert r["checks"][0]["within"]
 
 
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_parity_with_ddp_and_oss(pool, world, bucket):
-    results = pool.run(train_task, bucket, **world)
+def test_parity_with_ddp_and_oss(pool, world, bucket, collective):
+    results = pool.run(train_task, bucket, collective=collective, **world)
     _assert_parity(results, WORLD_IDS[WORLDS.index(world)])
 
 
@@ -85,8 +88,9 @@ def test_parity_with_ddp_and_oss(pool, world, bucket):
     ],
     ids=["no_sync", "freeze_unfreeze", "unused_some_ranks", "unused_all_ranks", "two_forwards"],
 )
-def test_features_match_ddp(pool, world, bucket, scenario):
-    results = pool.run(train_task, bucket, **scenario, **world)
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_features_match_ddp(pool, world, bucket, scenario, collective):
+    results = pool.run(train_task, bucket, **scenario, collective=collective, **world)
     _assert_parity(results, "ws4" if world.get("world_size") == 4 else "ws2", False)
 
 
@@ -96,11 +100,12 @@ def _bf16_hook(group, bucket):
     return default_hooks._compress_hook(torch.bfloat16, group, bucket)
 
 
-def compressed_task(ctx, bucket, wire):
+def compressed_task(ctx, bucket, wire, collective):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire]
     kwargs = {"reduce_fp16": True} if wire == "fp16" else {"reduce_dtype": dtype}
+    kwargs["collective"] = collective
     sdp, opt, ddp, ref_opt = pair(ctx, bucket, **kwargs)
     # bf16_compress_hook itself is refused off CUDA; this is its body (torch's own function)
     hook = default_hooks.fp16_compress_hook if wire == "fp16" else _bf16_hook
@@ -116,10 +121,11 @@ def compressed_task(ctx, bucket, wire):
     return checks, torch.equal(flat(sdp.module), flat(ddp.module))
 
 
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_compressed_reduction_matches_ddp_compress_hooks(pool, bucket, wire):
-    for checks, exact in pool.run(compressed_task, bucket, wire, world_size=2):
+def test_compressed_reduction_matches_ddp_compress_hooks(pool, bucket, wire, collective):
+    for checks, exact in pool.run(compressed_task, bucket, wire, collective, world_size=2):
         assert exact and all(c["exact"] and c["sharded"] for c in checks)
 
 
@@ -224,3 +230,135 @@ def clip_task(ctx, bucket):
 def test_clip_grad_norm_is_global(pool, world):
     for norms, exact in pool.run(clip_task, 0, **world):
         assert norms[0::2] == norms[1::2] and max(norms) > 0.5 and exact
+
+
+def host_reads_task(ctx, bucket, branch=None, collective="auto"):
+    """Host reads of tensor values in one forward + backward, SDP against DDP; the counter
+    must see a deliberate ``.item()`` and ``.tolist()`` (so it cannot be blind)."""
+    from sdp_utils import HostReads
+
+    net = {"branch": branch is not None}
+    ddp_kw = {"find_unused_parameters": branch is not None}
+    sdp, opt, ddp, ref_opt = pair(ctx, bucket, net=net, ddp=ddp_kw, collective=collective)
+    counts = {}
+    for step in range(3):
+        use_branch = branch is not None and (step + ctx.rank * branch) % 2 == 0
+        for name, net_, o in (("sdp", sdp, opt), ("ddp", ddp, ref_opt)):
+            o.zero_grad(set_to_none=step % 2 == 0)  # both kinds of zero_grad
+            with HostReads() as reads:
+                net_(batch(step, ctx.rank), use_branch=use_branch).pow(2).mean().backward()
+            counts.setdefault(name, []).append(reads.reads)
+            o.step()
+    with HostReads() as control:
+        torch.ones(2).sum().item()
+        torch.ones(2).tolist()
+    exact = torch.equal(flat(sdp.module), flat(ddp.module))
+    grads = [p.grad for p in sdp.module.parameters() if p.grad is not None]
+    storages = len({g.untyped_storage().data_ptr() for g in grads})  # owned grads' buckets
+    return {"counts": counts, "control": control.reads, "exact": exact, "storages": storages}
+
+
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_forward_and_backward_read_no_tensor_value_on_the_host(pool, bucket, collective):
+    # DDP without find_unused_parameters reads none; neither may SDP (each is a sync on CUDA)
+    for r in pool.run(host_reads_task, bucket, collective=collective, world_size=2):
+        assert r["control"] == ["aten._local_scalar_dense", "tolist"], r["control"]
+        assert r["counts"]["ddp"] == [[], [], []]
+        # one read, once: the second forward agrees on the order backward produced the
+        # gradients in (rank 0's, broadcast), as DDP's bucket rebuild does
+        assert r["counts"]["sdp"] == [[], ["tolist"], []], r["counts"]["sdp"]
+        assert r["exact"]
+        if bucket == 2**23:  # one bucket per owner: the owned grads are views of one buffer
+            assert r["storages"] == 1
+
+
+def test_an_owner_without_a_gradient_reads_the_used_flags_once(pool):
+    # `never` is used on no rank: its owner lacks a gradient and reads the flags, once per
+    # backward (DDP with find_unused_parameters=True reads too)
+    results = pool.run(host_reads_task, 64, branch=0, world_size=2)
+    for r in results:
+        extra = [0, 1, 0]  # the second forward's one-time order agreement (see above)
+        for step, reads in enumerate(r["counts"]["sdp"]):
+            assert set(reads) <= {"tolist"} and len(reads) <= 1 + extra[step], r["counts"]
+        assert r["exact"]
+    assert any(reads == ["tolist"] for r in results for reads in r["counts"]["sdp"][::2])
+
+
+class _Reversed(torch.nn.Module):
+    """Registers ``first`` before ``second`` but runs ``second`` first: backward produces
+    ``first``'s gradients first, the reverse of what the initial plan assumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 3)
+        self.second = torch.nn.Linear(8, 4)
+
+    def forward(self, x, use_branch=False):
+        return self.first(torch.tanh(self.second(x)))
+
+
+def launch_order_task(ctx, collective, reversed_model=False, iterations=1):
+    """Events of each backward: gradients produced (a hook registered after SDP's) and
+    collectives launched (dist.reduce / reduce_scatter_tensor, recorded)."""
+    from oss_plus import OSS, ShardedDataParallel
+    from oss_plus.data_parallel import buckets as buckets_module
+
+    if reversed_model:
+        torch.manual_seed(0)
+        model = _Reversed()
+        opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+        sdp = ShardedDataParallel(model, opt, ctx.group, reduce_buffer_size=0)
+    else:
+        sdp, opt, _, _ = pair(ctx, 0, collective=collective)
+    events = []
+    for i, p in enumerate(sdp.module.parameters()):
+        p.register_post_accumulate_grad_hook(lambda _, i=i: events.append(("grad", i)))
+    real = buckets_module.dist
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def reduce(self, tensor, *args, **kwargs):
+            events.append(("send", tensor.numel()))
+            return real.reduce(tensor, *args, **kwargs)
+
+        def reduce_scatter_tensor(self, out, tensor, *args, **kwargs):
+            events.append(("send", tensor.numel()))
+            return real.reduce_scatter_tensor(out, tensor, *args, **kwargs)
+
+    buckets_module.dist = Recording()
+    runs = []
+    try:
+        for step in range(iterations):
+            events.clear()
+            sdp(batch(step, ctx.rank)).pow(2).mean().backward()
+            runs.append(list(events))
+    finally:
+        buckets_module.dist = real
+    return runs[0] if iterations == 1 else runs
+
+
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_buckets_are_sent_while_backward_still_produces_gradients(pool, collective):
+    for events in pool.run(launch_order_task, collective, world_size=2):
+        kinds = [kind for kind, _ in events]
+        assert "send" in kinds and kinds.count("grad") == 6, events
+        # overlap: the first bucket leaves before the last gradient exists
+        assert kinds.index("send") < len(kinds) - 1 - kinds[::-1].index("grad"), events
+        if collective == "reduce":  # one bucket per param: sent in its own gradient's hook
+            # (SDP's hook runs before the recording one), each before the next gradient
+            assert kinds == ["send", "grad"] * 6, events
+
+
+def test_buckets_follow_the_order_backward_produced_the_gradients_in(pool):
+    # first backward: the plan assumes `second` is reached first, so nothing can be sent
+    # before its gradients exist; from the second forward on (order agreed from rank 0,
+    # the re-plan's hooks now run after the recording ones) each one-param bucket leaves
+    # right after its own gradient
+    numel = [12, 3, 32, 4]  # first.weight, first.bias, second.weight, second.bias
+    for first, second in pool.run(launch_order_task, "reduce", True, 2, world_size=2):
+        assert [kind for kind, _ in first][:2] == ["grad", "grad"], first
+        assert [kind for kind, _ in second] == ["grad", "send"] * 4, second
+        assert all(numel[i] == n for (_, i), (_, n) in zip(second[::2], second[1::2])), second

@@ -10,7 +10,7 @@ from sdp_utils import Net, batch, pair
 
 from oss_plus import OSS, ShardedDataParallel
 from oss_plus.data_parallel import _validate
-from oss_plus.data_parallel.plan import GradSpec, plan_buckets
+from oss_plus.data_parallel.plan import GradSpec, launch_groups, plan_buckets
 from oss_plus.data_parallel.reducer import NOTHING_TO_REDUCE, SECOND_BACKWARD
 
 
@@ -49,6 +49,23 @@ def test_plan_orders_buckets_by_when_backward_completes_them():
     assert [b.members for b in plan.buckets] == [(5, 3, 1), (4, 2, 0)]
 
 
+@pytest.mark.parametrize("cap", [0, 5, 100])
+def test_scatter_groups_hold_one_bucket_per_owner_in_plan_order(cap):
+    sizes, owners = [3, 4, 2, 8, 1, 5, 6, 2], [0, 1, 0, 1, 0, 2, 2, 1]
+    keys = ["f32"] * 6 + ["bf16"] * 2
+    plan = plan_buckets(_specs(sizes, owners, keys), cap)
+    bucket_keys = [keys[b.members[0]] for b in plan.buckets]
+    groups = launch_groups(plan, scatter=True, keys=bucket_keys)
+    assert [b for g in groups for b in g.buckets] == list(range(len(plan.buckets)))
+    for g in groups:
+        assert len({plan.buckets[b].owner for b in g.buckets}) == len(g.buckets)
+        assert len({bucket_keys[b] for b in g.buckets}) == 1
+        assert g.segment == max(plan.buckets[b].numel for b in g.buckets)
+    assert len(groups) < len(plan.buckets)  # some buckets do travel together
+    single = launch_groups(plan, scatter=False)
+    assert [g.buckets for g in single] == [(b,) for b in range(len(plan.buckets))]
+
+
 # ----------------------------------------------------------------- bad input on every rank
 def bad_input_task(ctx, case):
     torch.manual_seed(0)
@@ -81,6 +98,9 @@ def bad_input_task(ctx, case):
     if case == "bad_reduce_dtype":
         opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
         return catch(ShardedDataParallel, model, opt, ctx.group, reduce_dtype=torch.int8)
+    if case == "bad_collective":
+        opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+        return catch(ShardedDataParallel, model, opt, ctx.group, collective="all_reduce")
     if case == "moved":
         opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
         sdp = ShardedDataParallel(model, opt, ctx.group)
@@ -97,6 +117,7 @@ CASES = {
     "shared_param": ("ValueError", "is in optimizers 0 and 1"),
     "bad_reduce_dtype": ("ValueError", "reduce_dtype must be"),
     "moved": ("ValueError", "moved from cpu to meta"),
+    "bad_collective": ("ValueError", "collective must be 'auto', 'reduce' or 'reduce_scatter'"),
 }
 
 
@@ -197,3 +218,94 @@ def refresh_task(ctx):
 def test_refresh_trainable_reroutes_to_the_new_owners(pool):
     for moved, owned in pool.run(refresh_task, world_size=2):
         assert moved and owned
+
+
+# ----------------------------------------------------------------- DDP's attribute surface
+#: Public attributes of DDP (torch) and fairscale's ShardedDataParallel that ours lacks, and why.
+ABSENT = {
+    "batched_grad_copy": "DDP knob for copying grads into its buckets; owned grads are views",
+    "broadcast_bucket_size": "DDP coalesces buffer broadcasts; buffers go one by one here",
+    "bucket_bytes_cap": "buckets are sized by reduce_buffer_size (elements, fairscale's unit)",
+    "bucket_bytes_cap_default": "as bucket_bytes_cap",
+    "bucket_bytes_cap_list": "as bucket_bytes_cap",
+    "dim": "DDP's input scatter dimension: inputs are not scattered (device_ids is None)",
+    "gather": "DDP's output gather for device_ids: outputs are not moved",
+    "scatter": "DDP's input scatter for device_ids: inputs are not moved",
+    "to_kwargs": "DDP's input move for device_ids: inputs are not moved",
+    "use_side_stream_for_tensor_copies": "DDP's input copies for device_ids: none here",
+    "find_unused_parameters": "unused params are always handled, with no host read unless "
+    "their owner lacks a gradient",
+    "skip_all_reduce_unused_params": "DDP knob; unused params are handled by the used flags",
+    "forward_sync_buffers": "DDP internal; broadcast_buffers and sync_buffers() here",
+    "will_sync_module_buffers": "DDP internal; broadcast_buffers here",
+    "modules_buffers": "DDP internal buffer list",
+    "named_module_buffers": "DDP internal buffer list",
+    "gradient_as_bucket_view": "not an option: owned gradients are always bucket views",
+    "join": "uneven inputs (torch Join) are unsupported: ranks run the same backward passes",
+    "join_device": "as join",
+    "join_hook": "as join",
+    "join_process_group": "as join",
+    "logger": "DDP's C++ logger object",
+    "reducer": "DDP's C++ Reducer object; ours is internal",
+    "mixed_precision": "DDP's native mixed precision; use reduce_dtype and torch.autocast",
+    "parameters_to_ignore": "no ignore list: freeze params (requires_grad=False) instead",
+    "register_comm_hook": "the reduction to owners is the communication; compress with "
+    "reduce_dtype / reduce_fp16",
+    "require_forward_param_sync": "DDP internal (param sync at forward for multi-device)",
+    "static_graph": "no static-graph mode: the plan changes only with params or partition",
+}
+#: What trainers read from a DDP-like wrapper, with the value DDP has for the same module.
+SAME_AS_DDP = (
+    "is_multi_device_module",
+    "device_type",
+    "device",
+    "device_ids",
+    "output_device",
+    "broadcast_buffers",
+    "require_backward_grad_sync",
+)
+
+
+def _public(obj, base):
+    return {n for n in dir(obj) if not n.startswith("_")} - base
+
+
+def surface_task(ctx):
+    from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
+    from fairscale.optim import OSS as FairscaleOSS
+
+    sdp, _, ddp, _ = pair(ctx, 64)
+    theirs_model = copy.deepcopy(sdp.module)
+    theirs = FairscaleSDP(theirs_model, FairscaleOSS(theirs_model.parameters(), lr=0.1), ctx.group)
+    base = _public(torch.nn.Module(), set())
+    names = {"ours": _public(sdp, base), "ddp": _public(ddp, base), "fs": _public(theirs, base)}
+    values = {n: (getattr(sdp, n), getattr(ddp, n)) for n in SAME_AS_DDP}
+    with sdp.no_sync(), ddp.no_sync():
+        values["in no_sync"] = (sdp.require_backward_grad_sync, ddp.require_backward_grad_sync)
+    values["fairscale"] = {n: (getattr(sdp, n), getattr(theirs, n)) for n in ("device_type",)}
+    values["collective"] = sdp.collective  # "auto" on gloo
+    # setting require_backward_grad_sync (as DDP's no_sync does) skips the reduction
+    sdp.require_backward_grad_sync = False
+    sdp(batch(0, ctx.rank)).sum().backward()
+    sdp.require_backward_grad_sync = True
+    values["kept"] = all(p.grad is not None for p in sdp.module.parameters())
+    return names, values
+
+
+def test_ddp_attribute_surface_with_each_absence_explained(pool):
+    pytest.importorskip("fairscale")
+    for names, values in pool.run(surface_task, world_size=2):
+        missing = (names["ddp"] | names["fs"]) - names["ours"]
+        assert missing == set(ABSENT), (
+            f"not explained: {sorted(missing - set(ABSENT))}; "
+            f"explained but present: {sorted(set(ABSENT) - missing)}"
+        )
+        assert names["fs"] <= names["ours"]
+        for name in SAME_AS_DDP:
+            assert name in names["ours"]
+            ours, ddp = values[name]
+            assert ours == ddp, (name, ours, ddp)
+        assert values["in no_sync"] == (False, False)
+        assert all(a == b for a, b in values["fairscale"].values())
+        assert values["kept"]
+        assert values["collective"] == "reduce"

@@ -92,6 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         argv = ["--world", str(args.world_size or 2)]
         argv += ["--steps", str(args.steps)] if args.steps else []
         argv += ["--width", str(args.width)] if args.width else []
+        argv += ["--deep-rounds", str(args.rounds)] if args.rounds else []
+        argv += ["--backend", args.backend] if args.backend else []
         return zero2.main(argv + (["--configs", args.impls] if args.impls else []))
     if args.async_checkpoint:
         from oss_plus.bench import async_ckpt
@@ -189,7 +191,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time ShardedDataParallel (ZeRO-2) + OSS against DDP + OSS and fairscale's "
         "ShardedDDP: step time, peak gradient bytes and RSS per rank (--world-size, --steps, "
-        "--width; --impls from oss_plus.bench.zero2.CONFIGS)",
+        "--width, --backend; --impls from oss_plus.bench.zero2.CONFIGS), then side by side on "
+        "96 small layers (--rounds)",
     )
     add(
         "--async-checkpoint",

@@ -4,12 +4,20 @@ peak RSS is its own).
 
     python -m oss_plus.bench.zero2 [--world 2] [--steps 6] [--width 2048] [--layers 5]
     python -m oss_plus.bench.zero2 --collectives   # reduce-to-owner collectives on gloo
+    python -m oss_plus.bench.zero2 --backend nccl --world 1   # the same on GPUs
 
 Per rank it reports: the median step time (forward, backward with its reduction, optimizer
 step), the peak bytes held by ``.grad`` tensors (distinct storages, sampled at every
 gradient hook, after backward and after the step: fairscale's bucketed grads are views of
-its persistent buckets and are counted through them; DDP's own flat buckets and oss_plus's
-transient reduce buffers are not ``.grad`` and show in RSS only), and the peak RSS.
+its persistent buckets and are counted through them, and so are oss_plus's owned ones; DDP's
+own flat buckets and oss_plus's transient reduce buffers are not ``.grad`` and show in RSS
+only), and the peak RSS.
+
+Then the many-small-layers row (``--deep-layers`` x (Linear(64, 64) + LayerNorm + Tanh),
+batch 8, Adam ``fused=True``), where per-parameter overhead dominates: the configurations
+run side by side in the same processes, one iteration each in turn (order rotated every
+round), and the row gives each median against DDP + OSS. On CUDA it also counts the
+device-to-host syncs of one iteration (``torch.cuda.set_sync_debug_mode``).
 """
 
 from __future__ import annotations
@@ -18,23 +26,40 @@ import argparse
 import resource
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from oss_plus._launch import run_local
+from oss_plus._launch import pick_backend, run_local
 
 CONFIGS = ("oss_plus_sdp", "ddp_oss", "fairscale_sdp")
+#: Also accepted by --configs: oss_plus's SDP forced to one collective.
+EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
-def _model(width: int, layers: int) -> torch.nn.Module:
+def _model(width: int, layers: int, deep: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     blocks: list[torch.nn.Module] = []
     for _ in range(layers):
-        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*blocks)
+        if deep:
+            blocks += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Tanh()]
+        else:
+            blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks).to(_device())
+
+
+def _device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronize() -> None:
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _grad_bytes(params: Sequence[torch.Tensor]) -> int:
@@ -46,24 +71,68 @@ def _grad_bytes(params: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _wrap(config: str, model: torch.nn.Module, bucket: int) -> tuple[Any, Any]:
-    if config == "oss_plus_sdp":
+def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tuple[Any, Any]:
+    if config.startswith("oss_plus_sdp"):
         from oss_plus import OSS, ShardedDataParallel
 
-        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4)
-        return ShardedDataParallel(model, opt, reduce_buffer_size=bucket), opt
+        collective = config.removeprefix("oss_plus_sdp").lstrip("_") or "auto"
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
+        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket, collective=collective)
+        return sdp, opt
     if config == "ddp_oss":
         from torch.nn.parallel import DistributedDataParallel
 
         from oss_plus import OSS
 
-        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4)
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
         return DistributedDataParallel(model), opt
     from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
     from fairscale.optim import OSS as FairscaleOSS
 
-    opt = FairscaleOSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4)
+    opt = FairscaleOSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
     return FairscaleSDP(model, opt, reduce_buffer_size=bucket), opt
+
+
+def _iteration(net: Any, opt: Any, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    net(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _syncs(net: Any, opt: Any, x: torch.Tensor) -> int:
+    """Device-to-host syncs in one iteration (CUDA only; -1 elsewhere)."""
+    if _device().type != "cuda":
+        return -1
+    _synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _iteration(net, opt, x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _side_by_side_rank(
+    rank: int, world: int, configs: list[str], args: dict[str, int]
+) -> dict[str, tuple[float, int]]:
+    """The many-small-layers row: every config in these processes, one iteration each in
+    turn; returns config -> (median seconds, syncs in one iteration)."""
+    adam = {"fused": True}
+    nets = {c: _wrap(c, _model(64, args["layers"], deep=True), 2**23, **adam) for c in configs}
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank)).to(_device())
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    for round_ in range(args["warmup"] + args["rounds"]):
+        for c in configs[round_ % len(configs) :] + configs[: round_ % len(configs)]:
+            dist.barrier()
+            _synchronize()
+            begin = time.perf_counter()
+            _iteration(*nets[c], x)
+            _synchronize()
+            if round_ >= args["warmup"]:
+                times[c].append(time.perf_counter() - begin)
+    return {c: (statistics.median(times[c]), _syncs(*nets[c], x)) for c in configs}
 
 
 def _rank(rank: int, world: int, config: str, args: dict[str, int]) -> dict[str, float]:
@@ -79,13 +148,16 @@ def _rank(rank: int, world: int, config: str, args: dict[str, int]) -> dict[str,
     times = []
     for step in range(args["steps"]):
         x = torch.randn(args["batch"], args["width"], generator=torch.Generator().manual_seed(step))
+        x = x.to(_device())
         dist.barrier()
+        _synchronize()
         begin = time.perf_counter()
         opt.zero_grad()
         net(x).pow(2).mean().backward()
         sample()
         opt.step()
         sample()
+        _synchronize()
         times.append(time.perf_counter() - begin)
     for hook in hooks:
         hook.remove()
@@ -93,14 +165,17 @@ def _rank(rank: int, world: int, config: str, args: dict[str, int]) -> dict[str,
         "step_s": statistics.median(times[1:]),
         "grad_mb": peak[0] / 2**20,
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20
+        if _device().type == "cuda"
+        else 0.0,
         "model_mb": sum(p.numel() * p.element_size() for p in params) / 2**20,
     }
 
 
 def _collective_rank(rank: int, world: int, numel: int, repeats: int) -> dict[str, float]:
     """Time 'sum a bucket onto one owner' with each candidate collective."""
-    buffer = torch.randn(numel)
-    out = torch.empty(numel // world)
+    buffer = torch.randn(numel, device=_device())
+    out = torch.empty(numel // world, device=_device())
     candidates: dict[str, Callable[[], Any]] = {
         "reduce": lambda: dist.reduce(buffer, dst=1 % world),
         "all_reduce": lambda: dist.all_reduce(buffer),
@@ -115,8 +190,10 @@ def _collective_rank(rank: int, world: int, numel: int, repeats: int) -> dict[st
         times = []
         for _ in range(repeats):
             dist.barrier()
+            _synchronize()
             begin = time.perf_counter()
             fn()
+            _synchronize()
             times.append(time.perf_counter() - begin)
         result[name] = statistics.median(times) * 1e3
     return result
@@ -133,14 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", type=int, default=2**23)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--collectives", action="store_true")
+    p.add_argument("--backend", default="gloo", help="gloo, nccl (a GPU per rank) or auto")
+    p.add_argument("--deep-layers", type=int, default=96, help="0 skips the small-layers row")
+    p.add_argument("--deep-rounds", type=int, default=40)
     args = p.parse_args(argv)
+    backend = pick_backend(args.backend, args.world)
     if args.collectives:
         print(
             f"{'elements':>10} "
             + " ".join(f"{n:>15}" for n in ("reduce", "all_reduce", "reduce_scatter"))
         )
         for numel in (2**16, 2**20, 2**23):
-            ms = run_local(_collective_rank, args.world, numel, 7)[0]
+            ms = run_local(_collective_rank, args.world, numel, 7, backend=backend)[0]
             print(
                 f"{numel:>10} "
                 + " ".join(
@@ -152,15 +233,38 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: getattr(args, k) for k in ("width", "layers", "batch", "bucket", "steps")}
     print(
         f"{'config':>15} {'rank':>4} {'step (s)':>9} {'peak .grad MB':>14} "
-        f"{'peak RSS MB':>12} {'model MB':>9}"
+        f"{'peak RSS MB':>12} {'model MB':>9} {'CUDA peak MB':>13}"
     )
-    for config in args.configs.split(","):
-        for rank, r in enumerate(run_local(_rank, args.world, config, settings)):
+    configs = args.configs.split(",")
+    for config in configs:
+        for rank, r in enumerate(run_local(_rank, args.world, config, settings, backend=backend)):
             print(
                 f"{config:>15} {rank:>4} {r['step_s']:>9.3f} {r['grad_mb']:>14.1f} "
-                f"{r['rss_mb']:>12.1f} {r['model_mb']:>9.1f}"
+                f"{r['rss_mb']:>12.1f} {r['model_mb']:>9.1f} {r['cuda_peak_mb']:>13.1f}"
             )
+    if args.deep_layers > 0:
+        _print_deep(args, configs, backend)
     return 0
+
+
+def _print_deep(args: argparse.Namespace, configs: list[str], backend: str) -> None:
+    deep = {"layers": args.deep_layers, "rounds": args.deep_rounds, "warmup": 3}
+    results = run_local(_side_by_side_rank, args.world, configs, deep, backend=backend)
+    print(
+        f"\nmany small layers: {args.deep_layers} x (Linear(64, 64) + LayerNorm + Tanh), "
+        f"batch 8, Adam fused, {args.world} {backend} rank(s), side by side, "
+        f"median of {args.deep_rounds}"
+    )
+    header = f"{'small-layers':>15} {'config':>15} {'rank':>4} {'iter (ms)':>10} {'vs DDP':>7}"
+    print(f"{header} {'syncs':>6}")
+    for rank, r in enumerate(results):
+        anchor = r["ddp_oss"][0] if "ddp_oss" in r else float("nan")
+        for config, (seconds, syncs) in r.items():
+            shown = "n/a" if syncs < 0 else str(syncs)
+            print(
+                f"{'small-layers':>15} {config:>15} {rank:>4} {seconds * 1e3:>10.2f} "
+                f"{seconds / anchor:>6.2f}x {shown:>6}"
+            )
 
 
 if __name__ == "__main__":

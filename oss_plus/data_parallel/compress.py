@@ -1,11 +1,12 @@
 """How a gradient enters and leaves a reduce buffer: pre-division, optional fp16/bf16 wire.
 
-Uncompressed, a gradient is multiplied by ``1 / world_size`` while it is copied into the
-buffer (DDP's reducer does exactly this, ``mul_out(bucket_view, grad, 1 / world_size)``), so
-the sum received by the owner is the average. Compressed, it is cast to the wire dtype first
-and divided there, as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'s
-``fp16_compress_hook`` / ``bf16_compress_hook`` do; the owner widens the sum back into the
-param's dtype. Only floating gradients wider than the wire dtype are compressed.
+Uncompressed, a bucket's gradients are multiplied by ``1 / world_size`` in the buffer just
+before it is sent (elementwise the same rounding as DDP's reducer,
+``mul_out(bucket_view, grad, 1 / world_size)``), so the sum received by the owner is the
+average. Compressed, they are cast to the wire dtype first and divided there, as
+``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``'s ``fp16_compress_hook`` /
+``bf16_compress_hook`` do; the owner widens the sum back into the param's dtype. Only
+floating gradients wider than the wire dtype are compressed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from oss_plus.sync import wire_dtype_for
 
-__all__ = ["BAD_REDUCE_DTYPE", "buffer_dtype", "pack_", "resolve_wire", "unpack_"]
+__all__ = ["BAD_REDUCE_DTYPE", "buffer_dtype", "resolve_wire"]
 
 #: The wire dtypes gradients may travel as.
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
@@ -45,18 +46,3 @@ def buffer_dtype(param_dtype: torch.dtype, wire: torch.dtype | None) -> torch.dt
         (torch.bfloat16, torch.float16)
     """
     return wire_dtype_for(param_dtype, wire) or param_dtype
-
-
-def pack_(out: torch.Tensor, grad: torch.Tensor, world_size: int) -> None:
-    """Write ``grad / world_size`` into ``out`` (a flat slice), the way DDP rounds it."""
-    source = grad.reshape(-1)
-    if out.dtype == grad.dtype:
-        torch.mul(source, 1.0 / world_size, out=out)
-    else:
-        out.copy_(source)
-        out.div_(world_size)
-
-
-def unpack_(grad: torch.Tensor, reduced: torch.Tensor) -> None:
-    """Copy the reduced flat slice back into ``grad`` (widening it if it was compressed)."""
-    grad.copy_(reduced.view(grad.shape))

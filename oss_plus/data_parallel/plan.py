@@ -8,12 +8,13 @@ the collectives match: buckets are launched strictly in plan order.
 Rules:
 
 * a bucket holds params with the same owner, dtype and device;
-* params are taken in *reverse* registration order (roughly the order backward produces
-  their gradients, as DDP does), and a bucket is closed when the next param would take it
-  past ``bucket_numel`` elements; a param larger than that travels alone; ``bucket_numel=0``
-  means one bucket per param;
-* buckets are ordered by the position of their last member in that reverse order, i.e. by
-  when backward completes them.
+* params are taken in the order backward produces their gradients: as observed in a
+  previous backward when given, else *reverse* registration order (DDP's first guess too),
+  and a bucket is closed when the next param would take it past ``bucket_numel``
+  elements; a param larger than that travels alone; ``bucket_numel=0`` means one bucket
+  per param;
+* buckets are ordered by the position of their last member in that order, i.e. by when
+  backward completes them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Bucket", "GradSpec", "ReducePlan", "plan_buckets"]
+__all__ = ["Bucket", "GradSpec", "LaunchGroup", "ReducePlan", "launch_groups", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -73,29 +74,42 @@ class ReducePlan:
     position: dict[int, tuple[int, int]]
 
 
-def plan_buckets(specs: Sequence[GradSpec], bucket_numel: int) -> ReducePlan:
+def plan_buckets(
+    specs: Sequence[GradSpec], bucket_numel: int, order: Sequence[int] | None = None
+) -> ReducePlan:
     """Group ``specs`` into buckets of at most ``bucket_numel`` elements (see module doc).
 
     Args:
         specs: one entry per trainable param, in registration order.
         bucket_numel: the largest bucket in elements; 0 (or less) puts each param alone.
+        order: the order in which backward produces the gradients (indices into ``specs``,
+            as observed in a previous backward); params missing from it follow, in reverse
+            registration order. Default: reverse registration order.
 
     Returns:
         The plan; ``position[i]`` is ``(bucket index, slot index)`` of param ``i``.
+
+    Example:
+        >>> specs = [GradSpec(1, 0, "f")] * 3
+        >>> [b.members for b in plan_buckets(specs, 0, order=[1, 0, 2]).buckets]
+        [(1,), (0,), (2,)]
     """
+    seen = set(order or ())
+    ready = [*(order or ()), *(i for i in reversed(range(len(specs))) if i not in seen)]
+    rank_of = {index: k for k, index in enumerate(ready)}
     open_: dict[tuple[int, Hashable], list[int]] = {}
     closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
-    for index in reversed(range(len(specs))):
+    for index in ready:
         spec = specs[index]
         slot_key = (spec.owner, spec.key)
         members = open_.get(slot_key, [])
         size = sum(specs[i].numel for i in members)
         if members and (bucket_numel <= 0 or size + spec.numel > bucket_numel):
-            closed.append((_last_position(members, len(specs)), members))
+            closed.append((max(rank_of[i] for i in members), members))
             members = []
         members.append(index)
         open_[slot_key] = members
-    closed.extend((_last_position(m, len(specs)), m) for m in open_.values() if m)
+    closed.extend((max(rank_of[i] for i in m), m) for m in open_.values() if m)
     closed.sort(key=lambda item: item[0])
     buckets = []
     position: dict[int, tuple[int, int]] = {}
@@ -110,6 +124,46 @@ def plan_buckets(specs: Sequence[GradSpec], bucket_numel: int) -> ReducePlan:
     return ReducePlan(tuple(buckets), position)
 
 
-def _last_position(members: Sequence[int], count: int) -> int:
-    """Position, in reverse registration order, of the member backward reaches last."""
-    return max(count - 1 - i for i in members)
+@dataclass(frozen=True)
+class LaunchGroup:
+    """Buckets sent in one collective: one bucket (``dist.reduce`` to its owner), or up to
+    one bucket per owner (``reduce_scatter_tensor``: segment ``r`` of the input holds rank
+    ``r``'s bucket, every segment padded to ``segment`` elements).
+
+    Attributes:
+        buckets: bucket indices, in plan order.
+        segment: the padded segment length (the largest bucket of the group).
+    """
+
+    buckets: tuple[int, ...]
+    segment: int
+
+
+def launch_groups(
+    plan: ReducePlan, scatter: bool, keys: Sequence[Hashable] | None = None
+) -> tuple[LaunchGroup, ...]:
+    """Group consecutive buckets with distinct owners and equal keys (``scatter``, where
+    ``keys[b]`` is bucket ``b``'s dtype and device), or one bucket each.
+
+    Groups keep the plan order, so launching them in order launches the buckets in order.
+
+    Example:
+        >>> specs = [GradSpec(4, 0, "f"), GradSpec(2, 1, "f"), GradSpec(3, 0, "f")]
+        >>> plan = plan_buckets(specs, bucket_numel=0)
+        >>> [(g.buckets, g.segment) for g in launch_groups(plan, scatter=True)]
+        [((0, 1), 3), ((2,), 4)]
+    """
+    if not scatter:
+        return tuple(LaunchGroup((b,), bucket.numel) for b, bucket in enumerate(plan.buckets))
+    keys = keys if keys is not None else [None] * len(plan.buckets)
+    groups: list[LaunchGroup] = []
+    current: list[int] = []
+    for b, bucket in enumerate(plan.buckets):
+        clash = any(plan.buckets[c].owner == bucket.owner for c in current)
+        if current and (clash or keys[current[0]] != keys[b]):
+            groups.append(LaunchGroup(tuple(current), max(plan.buckets[c].numel for c in current)))
+            current = []
+        current.append(b)
+    if current:
+        groups.append(LaunchGroup(tuple(current), max(plan.buckets[c].numel for c in current)))
+    return tuple(groups)

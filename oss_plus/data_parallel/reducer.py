@@ -1,26 +1,28 @@
 """Runs a :class:`~oss_plus.data_parallel.plan.ReducePlan` during backward.
 
-One :class:`GradReducer` per plan. Each trainable param gets a post-accumulate-grad hook;
-when a param's gradient is ready it is divided by the world size into its bucket's flat
-buffer (a bucket holding a single uncompressed param is reduced in place, in ``.grad``), and
-on a rank that does not own it, ``.grad`` is dropped at once. Buckets are launched strictly
-in plan order (a bucket waits for the ones before it), so every rank issues the same
-collectives in the same order even when backward reaches params in a different order or
-some params get no gradient. At the end of backward a callback launches what is left (a
-missing gradient counts as zeros, or as the ``.grad`` accumulated earlier) plus one small
-``all_reduce`` of per-param "had a gradient" flags, waits, and finishes every bucket: the
-owner copies the average into ``.grad``; a param that had no gradient on any rank keeps
-``.grad = None`` on its owner too (as DDP leaves globally unused params untouched).
+One :class:`GradReducer` per plan; its cost per iteration is one post-accumulate-grad hook
+call per param plus a few tensor ops per *bucket*, and it reads no tensor value on the host
+unless a rank owns a param that got no gradient on it (see "Unused params" below).
 
-Finished buckets are released as soon as their collective completes (checked at every
-hook), so the transient memory is the buckets in flight, not the model.
+Buckets (:mod:`~oss_plus.data_parallel.buckets`): the params a rank owns have their
+``.grad`` as views of persistent flat buckets (nothing is copied when a gradient accumulates
+into them); other gradients are copied into transient buckets as they arrive and, on a rank
+that does not own them, dropped at once (ZeRO-2). Buckets are sent in plan order, each as
+soon as it and every bucket before it are full, so every rank issues the same collectives.
+
+Unused params. At the end of backward (an autograd engine callback) a member whose hook
+did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Then one small
+``all_reduce`` (MAX) of per-param "had a gradient" bytes is launched, built from host-side
+bookkeeping (no device read). The owner reads its result on the host only for params it had
+no gradient for itself (a param it used is used somewhere): a param with no gradient on any
+rank keeps ``.grad = None`` on its owner, as DDP leaves globally unused params untouched.
+Every work handle is waited for before the callback returns; nothing outlives the iteration.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -29,8 +31,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from oss_plus import _dist
-from oss_plus.data_parallel.compress import buffer_dtype, pack_, unpack_
-from oss_plus.data_parallel.plan import Bucket, ReducePlan
+from oss_plus.data_parallel.buckets import Buckets
+from oss_plus.data_parallel.plan import ReducePlan
 
 __all__ = ["GradReducer", "NOTHING_TO_REDUCE", "SECOND_BACKWARD"]
 
@@ -56,6 +58,9 @@ class _State(Enum):
     DONE = "done"  # reduced; another backward before the next forward is an error
 
 
+_RUNNING = _State.RUNNING
+
+
 class GradReducer:
     """Reduces each trainable param's gradient to its owner during backward (see module doc).
 
@@ -74,15 +79,22 @@ class GradReducer:
         plan: ReducePlan,
         group: Any,
         wire: torch.dtype | None,
+        collective: str = "reduce",
+        record: bool = False,
     ) -> None:
         self.params = list(params)
         self.plan = plan
         self.group = group
-        self.wire = wire
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self._dst = [_dist.global_rank(group, b.owner) for b in plan.buckets]
-        self._in_place = [self._reduces_in_place(b) for b in plan.buckets]
+        self.collective = collective
+        self._buckets = Buckets(self.params, plan, group, wire, collective)
+        self._bucket_of = [0] * len(self.params)
+        self._slot_of = [0] * len(self.params)
+        for b, bucket in enumerate(plan.buckets):
+            for slot, index in enumerate(bucket.members):
+                self._bucket_of[index], self._slot_of[index] = b, slot
+        self._counts = [len(b.members) for b in plan.buckets]
+        self._persistent = [b for b, v in enumerate(self._buckets.views) if v is not None]
+        self._zeroed = bytearray(len(self.params))  # grads set by _preset, until reduced
         self._state = _State.IDLE
         self._pending = False
         self._reset()
@@ -90,26 +102,34 @@ class GradReducer:
             p.register_post_accumulate_grad_hook(self._hook_for(i))
             for i, p in enumerate(self.params)
         ]
+        #: With ``record``: the order the first reducing backward produced the gradients in.
+        self.observed: list[int] | None = None
+        self._seen: list[int] = []
+        self._recorders = [
+            p.register_post_accumulate_grad_hook(self._recorder_for(i))
+            for i, p in enumerate(self.params)
+            if record
+        ]
 
-    def _reduces_in_place(self, bucket: Bucket) -> bool:
-        param = self.params[bucket.members[0]]
-        return len(bucket.members) == 1 and buffer_dtype(param.dtype, self.wire) == param.dtype
+    def _recorder_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def record(_: torch.Tensor) -> None:
+            if self._state is _RUNNING:
+                self._seen.append(index)
+
+        return record
 
     def _reset(self) -> None:
-        count = len(self.plan.buckets)
-        self._buffers: list[torch.Tensor | None] = [None] * count
-        self._ready = [0] * count
-        self._filled = [[False] * len(b.members) for b in self.plan.buckets]
-        self._used = torch.zeros(len(self.params), dtype=torch.int32)
-        self._next = 0
-        self._works: deque[tuple[int, Any]] = deque()
-        self._deferred: list[tuple[int, torch.Tensor]] = []
+        self._buckets.reset()
+        self._left = list(self._counts)
+        self._fired = bytearray(len(self.params))  # 1: has a gradient in this reduction
+        self._unused: dict[int, list[int]] = {}  # bucket -> slots with no local gradient
+        self._deferred: list[tuple[int, torch.Tensor]] = []  # owned, unused: (index, sum)
 
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
-        for handle in self._handles:
+        for handle in self._handles + self._recorders:
             handle.remove()
-        self._handles = []
+        self._handles, self._recorders = [], []
 
     # ----------------------------------------------------------------- pass control
     def start_pass(self, reduce: bool) -> None:
@@ -117,6 +137,32 @@ class GradReducer:
         self._reset()
         self._state = _State.ARMED if reduce else _State.IDLE
         self._pending = True
+        if reduce:
+            self._preset()
+        else:  # accumulating (no_sync): a zeroed view now gathers real gradients
+            self._zeroed = bytearray(len(self.params))
+
+    @torch.no_grad()
+    def _preset(self) -> None:
+        """Owned grads that are None become zeroed views of their bucket, so backward
+        accumulates into the bucket (in C++) and the hook copies nothing. Remembered in
+        ``_zeroed``: such a param that gets no gradient still counts as having none."""
+        buckets = self._buckets
+        for b in self._persistent:
+            members, views = buckets.members[b], buckets.views[b]
+            assert views is not None
+            empty = [slot for slot, p in enumerate(members) if p.grad is None]
+            if not empty:
+                continue
+            if len(empty) == len(members):
+                flat = buckets.flats[b]
+                assert flat is not None
+                flat.zero_()
+            for slot in empty:
+                if len(empty) < len(members):
+                    views[slot].zero_()
+                members[slot].grad = views[slot]
+                self._zeroed[self.plan.buckets[b].members[slot]] = 1
 
     def quiet(self) -> None:
         """Called at a forward that must not reduce (eval mode, no_grad): a backward through
@@ -138,124 +184,163 @@ class GradReducer:
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if not self._pending or self._state is _State.RUNNING:
+        if not self._pending or self._state is _RUNNING:
             raise RuntimeError(NOTHING_TO_REDUCE)
         self._reset()
         self._finish()
 
     # ----------------------------------------------------------------- backward hooks
-    def _hook_for(self, index: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(index, param)
+    def _begin(self) -> bool:
+        """First hook of a backward: start reducing if armed. Returns whether to reduce."""
+        if self._state is _State.IDLE:
+            return False
+        if self._state is _State.DONE:
+            raise RuntimeError(SECOND_BACKWARD)
+        self._state = _RUNNING
+        Variable._execution_engine.queue_callback(self._finish)
+        return True
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        """The hook of param ``index``: the only per-param Python work of an iteration."""
+        reducer, buckets = self, self._buckets
+        b, slot = self._bucket_of[index], self._slot_of[index]
+        views = buckets.views[b]
+        view = None if views is None else views[slot]
+        owned = buckets.owned[b]
+
+        def staging_hook(param: torch.Tensor) -> None:  # copied into a transient bucket
+            if reducer._state is not _RUNNING and not reducer._begin():
+                return
+            fired = reducer._fired
+            if fired[index]:
+                return
+            fired[index] = 1
+            grad: torch.Tensor = param.grad  # type: ignore[assignment]
+            (buckets.open[b] or buckets.staged(b))[slot].copy_(
+                grad.detach() if grad.requires_grad else grad
+            )
+            if not owned:
+                param.grad = None  # copied: free it now (ZeRO-2)
+            left = reducer._left
+            left[b] -= 1
+            if left[b] == 0:
+                buckets.bucket_full(b)
+
+        if view is None:
+            return staging_hook
+        bucket_view: torch.Tensor = view
+
+        def hook(param: torch.Tensor) -> None:  # an owned param: .grad is a bucket view
+            if reducer._state is not _RUNNING and not reducer._begin():
+                return
+            fired = reducer._fired
+            if fired[index]:
+                return  # a second gradient in the same backward (reentrant): already in
+            fired[index] = 1
+            grad: torch.Tensor = param.grad  # type: ignore[assignment]  # set: it fired
+            if grad is not bucket_view:
+                bucket_view.copy_(grad.detach() if grad.requires_grad else grad)  # create_graph
+                param.grad = bucket_view
+            left = reducer._left
+            left[b] -= 1
+            if left[b] == 0:
+                buckets.bucket_full(b)
 
         return hook
 
+    def _take_results(self) -> None:
+        """Owner of transient buckets: widen the sums into its grads (unused: deferred)."""
+        for b, sums in self._buckets.results:
+            unused = self._unused.get(b, ())
+            grads, values = [], []
+            for slot, (param, value) in enumerate(zip(self._buckets.members[b], sums)):
+                if slot in unused:
+                    self._deferred.append((self.plan.buckets[b].members[slot], value))
+                elif param.grad is not None:
+                    grads.append(param.grad)
+                    values.append(value)
+            if grads:
+                torch._foreach_copy_(grads, values)
+        self._buckets.results = []
+
     @torch.no_grad()
-    def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        if self._state is _State.IDLE:
-            return
-        if self._state is _State.DONE:
-            raise RuntimeError(SECOND_BACKWARD)
-        if self._state is _State.ARMED:
-            self._state = _State.RUNNING
-            Variable._execution_engine.queue_callback(self._finish)
-        b, slot = self.plan.position[index]
-        if self._filled[b][slot]:
-            return
-        self._fill(b, slot, param)
-        self._ready[b] += 1
-        self._launch_ready()
-        self._complete(block=False)
-
-    def _fill(self, b: int, slot: int, param: torch.Tensor) -> None:
-        """Put ``param``'s gradient (zeros if it has none) into bucket ``b``; mark it used."""
-        bucket = self.plan.buckets[b]
-        grad = param.grad
-        index = bucket.members[slot]
-        self._used[index] = int(grad is not None)
-        self._filled[b][slot] = True
-        if self._in_place[b]:
-            if grad is None:
-                buffer = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            else:
-                buffer = grad if grad.is_contiguous() else grad.contiguous()
-            buffer.mul_(1.0 / self.world_size)
-            self._buffers[b] = buffer
-            return
-        flat = self._buffers[b]
-        if flat is None:
-            dtype = buffer_dtype(param.dtype, self.wire)
-            flat = torch.empty(bucket.numel, dtype=dtype, device=param.device)
-            self._buffers[b] = flat
-        out = flat[bucket.offsets[slot] : bucket.offsets[slot] + param.numel()]
-        if grad is None:
-            out.zero_()
-            return
-        pack_(out, grad, self.world_size)
-        if bucket.owner != self.rank:
-            param.grad = None  # copied: free it now
-
-    def _launch_ready(self) -> None:
-        buckets = self.plan.buckets
-        while self._next < len(buckets) and self._ready[self._next] == len(
-            buckets[self._next].members
-        ):
-            self._launch(self._next)
-            self._next += 1
-
-    def _launch(self, b: int) -> None:
-        buffer = self._buffers[b]
-        assert buffer is not None
-        with torch.profiler.record_function("oss_plus::sdp::reduce_bucket"):
-            work = dist.reduce(buffer, dst=self._dst[b], group=self.group, async_op=True)
-        self._works.append((b, work))
-
-    # ----------------------------------------------------------------- completion
-    def _complete(self, block: bool) -> None:
-        """Finish the oldest launched buckets (all of them with ``block``)."""
-        while self._works and (block or self._works[0][1].is_completed()):
-            b, work = self._works.popleft()
-            work.wait()
-            self._finish_bucket(b)
-
-    def _finish_bucket(self, b: int) -> None:
-        bucket = self.plan.buckets[b]
-        buffer = self._buffers[b]
-        self._buffers[b] = None
-        assert buffer is not None
-        mine = bucket.owner == self.rank
-        for slot, index in enumerate(bucket.members):
-            param = self.params[index]
-            if not mine:
-                param.grad = None
+    def _fill_missing(self) -> None:
+        """End of backward: complete the buckets whose hooks did not all fire."""
+        for b, left in enumerate(self._left):
+            if left == 0:
                 continue
-            reduced = buffer.view(-1)[bucket.offsets[slot] : bucket.offsets[slot] + param.numel()]
-            if not self._used[index]:
-                self._deferred.append((index, reduced))  # None or zeros: decided by the flags
-            elif param.grad is not buffer:
-                assert param.grad is not None
-                unpack_(param.grad, reduced)
+            views = self._buckets.views[b]
+            for slot, index in enumerate(self.plan.buckets[b].members):
+                if self._fired[index]:
+                    continue
+                param = self.params[index]
+                preset = self._zeroed[index] and views is not None and param.grad is views[slot]
+                if param.grad is None or preset:
+                    self._unused.setdefault(b, []).append(slot)
+                    (views or self._buckets.staged(b))[slot].zero_()
+                    continue
+                self._fired[index] = 1  # accumulated earlier (no_sync): counts as used
+                if views is None:
+                    _stage(self._buckets.staged(b)[slot], param, self._buckets.owned[b])
+                elif param.grad is not views[slot]:
+                    views[slot].copy_(param.grad)
+                    param.grad = views[slot]
+            self._left[b] = 0
+        self._buckets.mark_all_full()
+
+    def _launch_flags(self) -> tuple[torch.Tensor, Any] | None:
+        """All-reduce (MAX) the per-param "had a gradient" bytes; no device value is read."""
+        if not self.params:
+            return None
+        used = torch.frombuffer(self._fired, dtype=torch.uint8)
+        device = _dist.comm_device(self.group)
+        used = used.clone() if device.type == "cpu" else used.to(device, non_blocking=True)
+        work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return used, work
+
+    def _settle_unused(self, anywhere: list[int]) -> None:
+        """Owner, for params it had no gradient for: a gradient iff some rank had one."""
+        for b, slots in self._unused.items():
+            views = self._buckets.views[b]
+            if views is None or not self._buckets.owned[b]:
+                continue  # transient: in self._deferred
+            for slot in slots:
+                index = self.plan.buckets[b].members[slot]
+                self.params[index].grad = views[slot] if anywhere[index] else None
+        for index, reduced in self._deferred:
+            param = self.params[index]
+            param.grad = reduced.to(param.dtype, copy=True) if anywhere[index] else None
 
     def _finish(self) -> None:
-        """End of backward: launch what is left, agree on used flags, finish every bucket."""
+        """End of backward: launch what is left, wait for every bucket, settle unused."""
         with torch.profiler.record_function("oss_plus::sdp::flush"):
-            for b, bucket in enumerate(self.plan.buckets):
-                for slot, index in enumerate(bucket.members):
-                    if not self._filled[b][slot]:
-                        self._fill(b, slot, self.params[index])
-                self._ready[b] = len(bucket.members)
-            self._launch_ready()
-            used = self._used.to(_dist.comm_device(self.group), copy=True)  # reduced async
-            flags = dist.all_reduce(used, group=self.group, async_op=True)
-            self._complete(block=True)
-            assert flags is not None
-            flags.wait()
-            anywhere = used.cpu().tolist()
-            for index, reduced in self._deferred:
-                param = self.params[index]
-                param.grad = (
-                    reduced.to(param.dtype, copy=True).view_as(param) if anywhere[index] else None
-                )
-            self._deferred = []
+            buckets = self._buckets
+            if buckets.next < len(buckets.groups):
+                self._fill_missing()
+                buckets.launch_ready()
+            flags = self._launch_flags()
+            buckets.complete_all()
+            self._take_results()
+            if flags is not None:
+                flags[1].wait()
+                if any(buckets.owned[b] for b in self._unused):
+                    self._settle_unused(flags[0].tolist())  # the one host read, only then
+            self._unused, self._deferred = {}, []
+            self._zeroed = bytearray(len(self.params))
+            if self._recorders and self._seen:  # the first reducing backward: keep its order
+                self.observed = list(dict.fromkeys(self._seen))
+                for handle in self._recorders:
+                    handle.remove()
+                self._recorders = []
             self._state = _State.DONE
             self._pending = False
+
+
+def _stage(out: torch.Tensor, param: torch.Tensor, owned: bool) -> None:
+    """Copy ``param``'s gradient into its slot ``out`` of a transient bucket; drop it unless
+    this rank owns it (then it receives the sum later)."""
+    grad = param.grad
+    assert grad is not None
+    out.copy_(grad.detach() if grad.requires_grad else grad)
+    if not owned:
+        param.grad = None  # copied: free it now

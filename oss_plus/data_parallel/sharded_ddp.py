@@ -2,16 +2,21 @@
 
 A drop-in for ``fairscale.nn.data_parallel.ShardedDataParallel`` (fairscale 0.4.13): same
 constructor, ``forward``, ``no_sync()``, ``refresh_trainable()``, ``reduce()``,
-``sync_buffers()``, ``zero_grad()`` and attribute fall-through. Ownership comes from the
+``sync_buffers()``, ``zero_grad()`` and attribute fall-through, plus the attributes
+trainers read from DDP (``is_multi_device_module``, ``device_type``, ``device``,
+``device_ids``, ``output_device``, ``require_backward_grad_sync``). Ownership comes from the
 sharded optimizer's public ``param_to_rank``; the reduction is planned by
-:mod:`oss_plus.data_parallel.plan` and run by :mod:`oss_plus.data_parallel.reducer`.
+:mod:`oss_plus.data_parallel.plan` and run by :mod:`oss_plus.data_parallel.reducer` over
+:mod:`oss_plus.data_parallel.buckets`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -20,14 +25,20 @@ from torch import nn
 
 from oss_plus import _dist
 from oss_plus.data_parallel import _validate
+from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
-from oss_plus.data_parallel.plan import GradSpec, plan_buckets
+from oss_plus.data_parallel.plan import GradSpec, ReducePlan, plan_buckets
 from oss_plus.data_parallel.reducer import GradReducer
 from oss_plus.optimizer import OSS
 
 __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
+
+#: Read from every param at each forward (C-level passes): trainability, and the address of
+#: its data, which changes whenever ``module.to(...)`` / ``.double()`` replace it.
+_TRAINABLE = operator.attrgetter("requires_grad")
+_ADDRESS = torch.Tensor.data_ptr
 
 #: Logged (once per change) when trainability changes are detected at forward.
 TRAINABLE_CHANGED = (
@@ -42,8 +53,9 @@ class ShardedDataParallel(nn.Module):
     After backward, a rank holds ``.grad`` only for the params its sharded optimizer owns
     (the others are ``None``), equal to the average over the ranks as DDP computes it.
     Gradients travel in buckets of up to ``reduce_buffer_size`` elements, reduced to their
-    owner while backward goes on; buckets are transient (unlike fairscale's, whose bucketed
-    grads are never sharded).
+    owner while backward goes on. The gradients a rank owns are views of persistent buckets
+    (like DDP's ``gradient_as_bucket_view``); the others pass through transient buckets and
+    are dropped (fairscale keeps every bucketed gradient on every rank).
 
     Args:
         module: the model, on its final device, identical on every rank.
@@ -60,11 +72,16 @@ class ShardedDataParallel(nn.Module):
         warn_on_trainable_params_changed: log a warning when trainability changes.
         reduce_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``
             (``reduce_fp16=True`` wins).
+        collective: keyword-only, how buckets travel: ``"reduce"`` (each to its owner),
+            ``"reduce_scatter"`` (buckets of different owners in one
+            ``reduce_scatter_tensor``) or ``"auto"``: reduce on gloo (measured faster),
+            reduce_scatter on NCCL.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
         ValueError: an optimizer over other ranks, trainable params in no optimizer, a param
-            in two optimizers, params on several device types, a bad ``reduce_dtype``.
+            in two optimizers, params on several device types, a bad ``reduce_dtype`` or
+            ``collective``.
         All are raised on every rank of ``process_group``.
 
     Example:
@@ -89,6 +106,7 @@ class ShardedDataParallel(nn.Module):
         warn_on_trainable_params_changed: bool = True,
         *,
         reduce_dtype: torch.dtype | None = None,
+        collective: str = "auto",
     ) -> None:
         super().__init__()
         self.module = module
@@ -98,6 +116,7 @@ class ShardedDataParallel(nn.Module):
         try:
             self._optimizers = _validate.check_optimizers(sharded_optimizer, self.process_group)
             self._wire = resolve_wire(reduce_fp16, reduce_dtype)
+            self.collective = pick_collective(collective, self.process_group)
             types = sorted({p.device.type for p in module.parameters()})
             if len(types) > 1:
                 raise ValueError(_validate.MIXED_DEVICE_TYPES.format(types=types))
@@ -111,9 +130,25 @@ class ShardedDataParallel(nn.Module):
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        devices = {p.device for p in module.parameters()}
+        #: As DDP and fairscale: whether the module's params span several devices.
+        self.is_multi_device_module = len(devices) > 1
+        #: As DDP and fairscale: the device type of the module's params ("cpu", "cuda", ...).
+        self.device_type = next(iter(devices)).type if devices else "cpu"
+        #: As DDP: the device of the first param.
+        self.device = next(iter(module.parameters())).device if devices else torch.device("cpu")
+        #: As DDP constructed without ``device_ids``: inputs are not moved or scattered.
+        self.device_ids: list[int] | None = None
+        self.output_device: int | None = None
         self._accumulate = False
         self._devices = [p.device for p in module.parameters()]
-        self._signature: list[tuple[Any, ...]] = []
+        self._submodules: list[nn.Module] = []
+        self._registered_at_plan: list[Any] = []
+        self._params: list[torch.Tensor] = []
+        self._requires_grad: list[bool] = []
+        self._addresses: list[int] = []
+        self._plans: list[Any] = []
+        self._module_buffers: list[torch.Tensor] = []
         self._reducer: GradReducer | None = None
         if sync_models_at_startup:
             self._broadcast(list(module.state_dict().values()))
@@ -138,16 +173,29 @@ class ShardedDataParallel(nn.Module):
         .. warning:: Collective: call on every rank of ``process_group``.
         """
         with torch.profiler.record_function("oss_plus::sdp::forward"):
-            self._check_devices()
             self._refresh_if_changed()
-            if self.broadcast_buffers:
-                self.sync_buffers(blocking=True)
+            if self._reducer is not None and self._reducer.observed is not None:
+                self._follow_observed_order(self._reducer.observed)
+            if self.broadcast_buffers and self._module_buffers:
+                self._broadcast(self._module_buffers)
             assert self._reducer is not None
             if self.training and torch.is_grad_enabled():
                 self._reducer.start_pass(reduce=not self._accumulate)
             else:
                 self._reducer.quiet()
             return self.module(*inputs, **kwargs)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """As DDP: False inside :meth:`no_sync` (the next forward's backward does not reduce).
+
+        Setting it is what DDP's ``no_sync()`` does, and what some trainers do directly.
+        """
+        return not self._accumulate
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._accumulate = not value
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -210,10 +258,15 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero (or drop, with ``set_to_none``) the gradients of the module's params."""
         for param in self.module.parameters():
+            grad = param.grad
             if set_to_none:
                 param.grad = None
-            elif param.grad is not None:
-                param.grad.detach_().zero_()
+            elif grad is not None:
+                if grad.grad_fn is not None:
+                    grad.detach_()  # never a bucket view: those have no grad_fn
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
 
     def __getattr__(self, name: str) -> Any:
         """Fall through to the wrapped module for attributes the wrapper does not have."""
@@ -240,37 +293,73 @@ class ShardedDataParallel(nn.Module):
                     _validate.MODULE_MOVED.format(name=name, before=before, after=param.device)
                 )
 
-    def _current_signature(self) -> list[tuple[Any, ...]]:
-        """Per module param: trainable, owner, dtype (what the plan depends on)."""
-        owners: dict[torch.Tensor, int] = {}
-        for optimizer in self._optimizers:
-            owners.update(optimizer.param_to_rank)
-        return [(p.requires_grad, owners.get(p, -1), p.dtype) for p in self.module.parameters()]
+    def _registered(self) -> list[Any]:
+        """Every entry of the submodules' parameter dicts, shared params repeated."""
+        return list(chain.from_iterable([m._parameters.values() for m in self._submodules]))
 
     def _refresh_if_changed(self) -> None:
-        signature = self._current_signature()
-        if signature == self._signature:
+        """Re-plan when the params or the partition changed (C-level passes when not)."""
+        registered = self._registered()
+        trainable = list(map(_TRAINABLE, self._params))
+        plans = [o.plan for o in self._optimizers]
+        if (
+            len(registered) == len(self._registered_at_plan)
+            and all(map(operator.is_, registered, self._registered_at_plan))
+            and trainable == self._requires_grad
+            and list(map(_ADDRESS, self._params)) == self._addresses
+            and all(map(operator.is_, plans, self._plans))
+        ):
             return
-        trainable = [s[0] for s in signature]
-        if trainable != [s[0] for s in self._signature]:
+        self._check_devices()
+        if trainable != self._requires_grad:
             if not self.auto_refresh_trainable:
-                self._replan(signature)  # the user refreshes the optimizer; route what we see
+                self._replan()  # the user refreshes the optimizer; route what we see
                 return
             if self.warn_on_trainable_params_changed:
                 logger.warning(TRAINABLE_CHANGED)
             self.refresh_trainable()
         else:
-            logger.info("the optimizer's partition or the params' dtypes changed: re-planning")
-            self._replan(signature)
+            logger.info("the params or the optimizer's partition changed: re-planning")
+            self._replan()
 
-    def _replan(self, signature: list[tuple[Any, ...]] | None = None) -> None:
-        """Rebuild the reduce plan and hooks from the optimizers' current partition."""
+    def _follow_observed_order(self, observed: list[int]) -> None:
+        """Once after a (re)plan, as DDP's bucket rebuild: adopt the order in which rank 0's
+        first backward produced the gradients, and re-plan if the buckets change. One
+        broadcast and one host read, at this forward only."""
+        assert self._reducer is not None
+        count = len(self._reducer.params)
+        order = torch.full((count,), -1, dtype=torch.int64)
+        order[: len(observed)] = torch.tensor(observed, dtype=torch.int64)
+        order = order.to(_dist.comm_device(self.process_group))
+        dist.broadcast(
+            order, src=_dist.global_rank(self.process_group, 0), group=self.process_group
+        )
+        agreed = [i for i in order.tolist() if i >= 0]
+        self._reducer.observed = None
+        if self._plan_for(agreed)[1] != self._reducer.plan:
+            logger.info("re-planning the buckets in the order backward produced the gradients")
+            self._replan(order=agreed)
+
+    def _plan_for(self, order: list[int] | None) -> tuple[list[torch.Tensor], ReducePlan]:
         named = list(self.module.named_parameters())
         owners = _validate.owners_of(self._optimizers, named)
-        trainable = [p for _, p in named if p.requires_grad]
+        trainable: list[torch.Tensor] = [p for _, p in named if p.requires_grad]
         specs = [GradSpec(p.numel(), owners[p], (p.dtype, p.device)) for p in trainable]
-        plan = plan_buckets(specs, self.reduce_buffer_size)
+        return trainable, plan_buckets(specs, self.reduce_buffer_size, order)
+
+    def _replan(self, order: list[int] | None = None) -> None:
+        """Rebuild the reduce plan and hooks from the optimizers' current partition (buckets
+        in ``order``; without one, the next backward's order is recorded and followed)."""
+        trainable, plan = self._plan_for(order)
         if self._reducer is not None:
             self._reducer.remove()
-        self._reducer = GradReducer(trainable, plan, self.process_group, self._wire)
-        self._signature = signature if signature is not None else self._current_signature()
+        self._reducer = GradReducer(
+            trainable, plan, self.process_group, self._wire, self.collective, order is None
+        )
+        self._module_buffers = list(self.module.buffers())
+        self._submodules = list(self.module.modules())
+        self._registered_at_plan = self._registered()
+        self._params = list(self.module.parameters())
+        self._requires_grad = list(map(_TRAINABLE, self._params))
+        self._addresses = list(map(_ADDRESS, self._params))
+        self._plans = [o.plan for o in self._optimizers]
