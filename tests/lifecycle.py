@@ -6,9 +6,10 @@
 
 Each run starts ``--world`` fresh interpreters (no launcher in between, so an exit status is
 the rank's own). Every rank: ``init_process_group`` (gloo, TCP store), an ``OSS`` under
-``ShardedDataParallel`` trained a few steps, a second ``OSS`` stepped inside DDP's comm hook
-(``overlap_with_ddp``) trained a few steps, a blocking and an asynchronous
-``save_checkpoint`` (the last one left in flight), ``destroy_process_group()``, exit. The
+``ShardedDataParallel`` trained (and clipped) a few steps, a second ``OSS`` stepped inside
+DDP's comm hook (``overlap_with_ddp``) a few steps, a blocking and an asynchronous
+``save_checkpoint`` (its future waited for, unless ``--skip wait``),
+``destroy_process_group()``, exit. The
 driver counts the runs where some rank did not exit 0 and how (SIGABRT, the C++ "terminate
 called without an active exception", a timeout). ``--skip`` drops components, to bisect;
 ``--cores DIR`` keeps the core dump of a rank that crashed (open it with gdb);
@@ -68,6 +69,7 @@ def rank_main(
         for step in range(3):
             opt.zero_grad()
             net(data(step)).pow(2).mean().backward()
+            opt.clip_grad_norm(1.0)  # the examples that aborted clip (amp_clip, fairscale_port)
             opt.step()
     if "overlap" not in skip:
         other = model()
