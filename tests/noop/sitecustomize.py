@@ -4,9 +4,12 @@ Put this directory first on ``PYTHONPATH`` and name a mutant in ``OSS_PLUS_NOOP`
 imports this ``sitecustomize`` at start-up in pytest, in the pool's forkserver (so in every
 worker) and in ``torchrun`` children, and breaks the library the same way everywhere:
 
-* ``step``: ``OSS.step`` only runs the closure (no local step, no sync);
-* ``local``: the inner optimizer's step does nothing, the sync still runs;
-* ``sync``: the local step runs, the parameter sync does nothing (replicas diverge).
+* ``step``: ``OSS.step`` only runs the closure (no local step, no sync); the step overlapped
+  with DDP (:class:`oss_plus.overlap.DDPOverlap`) neither steps nor broadcasts;
+* ``local``: the inner optimizer's step does nothing, the sync still runs (in the overlapped
+  step too: its buckets are broadcast unchanged);
+* ``sync``: the local step runs, the parameter sync does nothing (replicas diverge); in the
+  overlapped step, no piece is broadcast.
 
 Example (see CONTRIBUTING.md, "Every test must fail on a no-op")::
 
@@ -25,6 +28,8 @@ _MODE = os.environ.get("OSS_PLUS_NOOP", "")
 
 def _install(mode: str) -> None:
     from oss_plus import OSS
+    from oss_plus.overlap import DDPOverlap
+    from oss_plus.overlap.layout import OverlapSync
     from oss_plus.sync import BucketSync
 
     real_step = OSS.step
@@ -40,12 +45,22 @@ def _install(mode: str) -> None:
         if error is not None:
             raise error
 
+    def no_overlap_step(self: Any, entry: Any, bucket: Any, value: Any) -> None:
+        return None
+
+    def no_broadcast(self: Any, entry: Any, wire: Any, failed: bool = False) -> list[Any]:
+        return []
+
     if mode == "step":
         OSS.step = closure_only  # type: ignore[method-assign]
+        DDPOverlap._step = no_overlap_step  # type: ignore[method-assign]
+        DDPOverlap._broadcast = lambda self, entry: None  # type: ignore[method-assign]
     elif mode == "local":
         OSS.step = inner_noop  # type: ignore[method-assign]
+        DDPOverlap._step = no_overlap_step  # type: ignore[method-assign]
     elif mode == "sync":
         BucketSync.sync = no_sync  # type: ignore[method-assign]
+        OverlapSync.broadcast = no_broadcast  # type: ignore[method-assign]
     else:
         raise SystemExit(f"OSS_PLUS_NOOP={mode!r}: expected step, local or sync")
 
