@@ -168,10 +168,12 @@ def reduce_partial(partial: torch.Tensor, norm_type: float, group: Any) -> torch
     if math.isinf(p):
         nan = partial.isnan()
         packed = torch.stack([torch.where(nan, torch.zeros_like(partial), partial), nan.double()])
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        with _dist.released(group, packed):
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
         return torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
     total = partial.clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    with _dist.released(group, total):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     if p == 1.0:
         return total
     return total.sqrt() if p == 2.0 else total.pow(1.0 / p)
@@ -244,7 +246,8 @@ def _norms_and_presence(
         norms = _tensor_norms(grads, p)  # type: ignore[arg-type]
         index = torch.tensor(indices, dtype=torch.long, device=device)
         vector.index_copy_(0, index, torch.stack(norms).to(device=device, dtype=torch.float32))
-    dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
+    with _dist.released(group, vector):
+        dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
     if all(q.grad is not None for q in params):  # every rank holds every grad (DDP): no sync
         return vector[:count], list(range(count))
     present = [i for i, flag in enumerate(vector[count:].tolist()) if flag]

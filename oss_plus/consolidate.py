@@ -19,7 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import all_gather_bytes, comm_device, global_rank, message_plan, run_phase
+from oss_plus._dist import (
+    all_gather_bytes,
+    comm_device,
+    global_rank,
+    message_plan,
+    released,
+    run_phase,
+)
 from oss_plus._nested import flatten_value, unflatten_value
 from oss_plus.state import ParamState
 
@@ -186,7 +193,7 @@ def _move_run(
     else:
         buffer = torch.empty(sum(numels), dtype=dtype, device=device)
     src = global_rank(group, head.src)
-    with torch.profiler.record_function("oss_plus::exchange_states"):
+    with torch.profiler.record_function("oss_plus::exchange_states"), released(group, buffer):
         if head.dst == ALL_RANKS:
             dist.broadcast(buffer, src=src, group=group)
         elif rank == head.src:

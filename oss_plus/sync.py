@@ -188,6 +188,23 @@ def any_set(slots: Sequence[torch.Tensor]) -> bool:
     return bool(torch.cat(list(slots)).any())
 
 
+class Pending:
+    """A started transfer: call it to wait (and widen a compressed copy).
+
+    ``held`` lists the tensors the collective was given, with their use counts from before
+    it, for :func:`oss_plus._dist.await_release`.
+    """
+
+    __slots__ = ("finish", "held")
+
+    def __init__(self, finish: Callable[[], None], held: list[tuple[torch.Tensor, int]]):
+        self.finish = finish
+        self.held = held
+
+    def __call__(self) -> None:
+        self.finish()
+
+
 class BucketSync:
     """Moves the bytes of ready-made buckets from their owners to every rank.
 
@@ -277,9 +294,12 @@ class BucketSync:
         with torch.profiler.record_function("oss_plus::sync"):
             failed = error is not None
             pending = self._start_gathers(wire, failed) + self.start(self._broadcast, wire, failed)
+            held = [h for p in pending for h in p.held]
             with torch.profiler.record_function("oss_plus::sync.wait"):
-                for finish in pending:
-                    finish()
+                for p in pending:
+                    p()
+            del pending, p  # drop the work handles, then let gloo's workers drop theirs
+            _dist.await_release([t for t, _ in held], [c for _, c in held], self.group)
         self.settle(error)
 
     def settle(self, error: BaseException | None, buckets: Sequence[Bucket] | None = None) -> None:
@@ -306,8 +326,8 @@ class BucketSync:
         if error is not None or silent or any_set(peers):
             _dist.agree(error, self.group)
 
-    def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Callable[[], None]]:
-        pending: list[Callable[[], None]] = []
+    def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Pending]:
+        pending: list[Pending] = []
         for g in self.gathers:
             if g.status != failed:  # the slot keeps its value between syncs
                 g.slot(self.rank).fill_(float(failed))
@@ -317,8 +337,10 @@ class BucketSync:
             mine = out[self.rank * g.region : (self.rank + 1) * g.region]
             if dtype is not None:
                 mine.copy_(g.flat[self.rank * g.region : (self.rank + 1) * g.region])
+            held = list(zip((out, mine), _dist.use_counts((out, mine))))
             work = _all_gather_single(out, mine, group=self.group, async_op=True)
-            pending.append(functools.partial(self._finish_gather, work, g, out, dtype))
+            finish = functools.partial(self._finish_gather, work, g, out, dtype)
+            pending.append(Pending(finish, held))
         return pending
 
     def _finish_gather(
@@ -332,7 +354,7 @@ class BucketSync:
 
     def start(
         self, buckets: Sequence[Bucket], wire: torch.dtype | None, failed: bool = False
-    ) -> list[Callable[[], None]]:
+    ) -> list[Pending]:
         """Start the async broadcast of every bucket from its owner (through a compressed
         copy when ``wire`` narrows it); the owner first sets its status slot to ``failed``.
 
@@ -346,9 +368,7 @@ class BucketSync:
             return []
         return [self._broadcast_bucket(b, wire, failed) for b in buckets]
 
-    def _broadcast_bucket(
-        self, bucket: Bucket, wire: torch.dtype | None, failed: bool
-    ) -> Callable[[], None]:
+    def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None, failed: bool) -> Pending:
         flat = bucket.flat
         assert flat is not None
         mine = bucket.owner == self.rank
@@ -361,10 +381,12 @@ class BucketSync:
         if dtype is not None and mine:
             tensor.copy_(flat)
         src = _dist.global_rank(self.group, bucket.owner)
+        held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-        return functools.partial(
+        finish = functools.partial(
             _finish_broadcast, work, flat, tensor, dtype is not None and not mine
         )
+        return Pending(finish, held)
 
 
 def _finish_broadcast(work: Any, flat: torch.Tensor, tensor: torch.Tensor, widen: bool) -> None:

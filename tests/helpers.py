@@ -463,30 +463,21 @@ def caught(ctx: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple
     return catch(fn, ctx, *args, **kwargs)
 
 
-#: What a rank prints when it aborts at exit (see :func:`run_python`).
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def run_python(
     args: list[str], env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` from the repository root in a fresh interpreter; assert exit 0."""
-    for attempt in range(2):
-        done = subprocess.run(
-            [sys.executable, *args],
-            cwd=ROOT,
-            env=env if env is not None else {**os.environ, "PYTHONPATH": ROOT},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        # Open defect (issue 21, docs/reliability.md "Process exit"): a torchrun rank can
-        # abort at interpreter exit, after its work and output are complete, with
-        # "terminate called without an active exception"; the root cause is not fixed yet.
-        # Until it is, run once more on that exact signature only. tests/test_lifecycle.py
-        # runs the lifecycle without any rerun.
-        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr or attempt:
-            break
+    """Run ``python ARGS`` from the repository root in a fresh interpreter; assert exit 0.
+
+    Run once: a process that aborts at exit fails the test (``tests/test_lifecycle.py``).
+    """
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env if env is not None else {**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

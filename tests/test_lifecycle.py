@@ -11,11 +11,16 @@ signal or exits non-zero fails the test with its stderr; nothing is rerun.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import lifecycle
 import pytest
-from helpers import ROOT
+import torch
+from helpers import ROOT, backward, make_model
+
+from oss_plus import OSS
+from oss_plus._dist import use_counts
 
 RUNS = 20
 SPAWN_RUNS = 2
@@ -41,3 +46,39 @@ def test_fairscales_spawn_pattern_exits_0():
         outcomes = lifecycle.spawn_run(2, {"overlap", "ckpt", "async"})
         failures += [f"run {run}: {o}" for o in outcomes if o != "ok"]
     assert not failures, "\n".join(failures)
+
+
+def released_task(ctx) -> tuple[list[int], list[list[int]]]:
+    """The C++ use counts of the sync's buckets before 20 steps and right after each.
+
+    With a 1 s switch interval this thread keeps the GIL after the last ``wait()``, so a gloo
+    worker that still has to drop its reference (which takes the GIL) cannot do it before the
+    counts are read, unless ``OSS.step`` yielded until it did (``_dist.await_release``).
+    Without that wait the counts stay raised (checked by making it a no-op).
+    """
+    model = make_model()
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1, broadcast_dtype=torch.bfloat16)
+    backward(model, 0)
+    opt.step()  # the wire buffers exist from here on
+    tensors = [b.flat for b in opt.sync.buckets if b.flat is not None]
+    tensors += [b.wire_buffer(torch.bfloat16) for b in opt.sync.buckets if b.flat is not None]
+    before = use_counts(tensors)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    after = []
+    try:
+        for step in range(1, 21):
+            backward(model, step)
+            opt.step()
+            after.append(use_counts(tensors))
+    finally:
+        sys.setswitchinterval(interval)
+    return before, after
+
+
+def test_a_step_returns_after_gloo_dropped_its_tensors(pool):
+    """The cause of the abort at exit (issue 21): a gloo worker dropping its reference after
+    ``step()`` returned takes the GIL; during interpreter finalization that kills the thread
+    and aborts the process."""
+    for before, after in pool.run(released_task, world_size=2, timeout=60):
+        assert after == [before] * len(after)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import Piece, comm_device, global_rank, message_plan, pad_bytes
+from oss_plus._dist import Piece, comm_device, global_rank, message_plan, pad_bytes, released
 from oss_plus.checkpoint import storage
 
 __all__ = [
@@ -68,7 +68,9 @@ def gather_json(obj: Any, group: Any) -> list[Any] | None:
 
 def barrier(group: Any) -> None:
     """Wait until every rank of ``group`` got here (one tiny all_reduce; collective)."""
-    dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=comm_device(group)), group=group)
+    token = torch.zeros(1, dtype=torch.int32, device=comm_device(group))
+    with released(group, token):
+        dist.all_reduce(token, group=group)
 
 
 def broadcast_text(text: str | None, length: int, group: Any) -> str:
@@ -81,7 +83,8 @@ def broadcast_text(text: str | None, length: int, group: Any) -> str:
     if dist.get_rank(group) == 0:
         assert text is not None and len(text) == length
         buffer.copy_(torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8))
-    dist.broadcast(buffer, src=global_rank(group, 0), group=group)
+    with released(group, buffer):
+        dist.broadcast(buffer, src=global_rank(group, 0), group=group)
     return bytes(buffer.cpu().numpy()).decode("ascii")
 
 

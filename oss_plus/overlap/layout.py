@@ -185,7 +185,8 @@ class OverlapSync:
 
         .. warning:: Collective: call on every rank of ``group``, bucket by bucket in order.
         """
-        return self.transport.start(entry.pieces, wire, failed)
+        started: list[Callable[[], None]] = list(self.transport.start(entry.pieces, wire, failed))
+        return started
 
     def settle(self, error: BaseException | None, entries: Sequence[Entry]) -> None:
         """After the broadcasts of ``entries`` completed: raise on every rank if any failed.
