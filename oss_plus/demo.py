@@ -66,8 +66,11 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> dic
     plain = DDP(_model(width, depth))
     opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-3)
     ref = torch.optim.Adam(plain.parameters(), lr=1e-3)
-    losses, times = _train(sharded, opt, steps, width, rank)
+    # the reference first: a rank's last collective is then OSS.step's sync, which returns only
+    # after gloo let go of its tensors; DDP's own allreduce does not wait for that, and a
+    # process exiting right after it can abort (docs/reliability.md, "Process exit")
     ref_losses, ref_times = _train(plain, ref, steps, width, rank)
+    losses, times = _train(sharded, opt, steps, width, rank)
     identical = all(torch.equal(a, b) for a, b in zip(sharded.parameters(), plain.parameters()))
     return {
         "losses": losses,
