@@ -12,6 +12,11 @@ Two rules are offered, one per anchor:
 * :attr:`Rule.TORCH` (``torch.distributed.optim.ZeroRedundancyOptimizer``): within each group
   parameters are sorted by element count, largest first (stable); frozen parameters weigh their
   full size; otherwise the same greedy choice.
+* :attr:`Rule.FLAT` (DeepSpeed ZeRO's and Megatron-Core's way, :func:`cut_flat`): per bucket
+  key (device and dtype), the trainable parameters are laid back to back (each at an aligned
+  offset) in one flat buffer that is cut into ``world_size`` equal, aligned ranges; rank ``r``
+  owns the elements of range ``r``, so a parameter may be split into :class:`Piece` s owned by
+  several ranks. Frozen parameters stay out of the buffer and are kept whole, round robin.
 
 Both rules can *extend* an existing assignment (``fixed``): parameters that already have an
 owner keep it and only count towards the totals. This is how a new parameter group is placed
@@ -24,7 +29,15 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamSpec", "Rule", "assign_owners", "rank_loads"]
+__all__ = [
+    "ParamSpec",
+    "Piece",
+    "Rule",
+    "assign_owners",
+    "cut_flat",
+    "flat_offsets",
+    "rank_loads",
+]
 
 #: Position of a parameter: (group index, index within the group).
 ParamPos = tuple[int, int]
@@ -37,14 +50,23 @@ class ParamSpec:
     Attributes:
         numel: number of elements.
         trainable: whether the parameter currently requires a gradient.
+        key: the flat buffer it belongs to under :attr:`Rule.FLAT` (``OSS`` uses
+            ``"<device>/<dtype>"``); parameters of one key share a buffer.
+        align: under :attr:`Rule.FLAT`, the element alignment of its offset in the buffer
+            and of the range boundaries (``OSS``: the allocator's, 64 bytes on CPU); the same
+            for every parameter of a key.
     """
 
     numel: int
     trainable: bool = True
+    key: str = ""
+    align: int = 1
 
     def __post_init__(self) -> None:
         if self.numel < 0:
             raise ValueError(f"ParamSpec.numel must be >= 0, got {self.numel}")
+        if self.align < 1:
+            raise ValueError(f"ParamSpec.align must be >= 1, got {self.align}")
 
 
 class Rule(str, enum.Enum):
@@ -52,6 +74,7 @@ class Rule(str, enum.Enum):
 
     FAIRSCALE = "fairscale"
     TORCH = "torch"
+    FLAT = "flat"
 
     def weight(self, spec: ParamSpec) -> int:
         """Return how much ``spec`` counts towards its owner's total under this rule."""
@@ -106,6 +129,8 @@ def assign_owners(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     rule = Rule(rule)
+    if rule is Rule.FLAT:
+        raise ValueError("the flat rule splits params: use cut_flat, not assign_owners")
     fixed = dict(fixed or {})
     totals = [0] * world_size
     owners: list[list[int]] = [[-1] * len(group) for group in groups]
@@ -140,4 +165,107 @@ def rank_loads(
         for spec, rank in zip(group, group_owners):
             if spec.trainable:
                 loads[rank] += spec.numel
+    return loads
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The elements ``[start, end)`` of the flattened parameter ``index``, owned by ``owner``.
+
+    ``index`` is the flat index (position in the concatenated groups). A whole parameter is
+    one piece ``[0, numel)``.
+    """
+
+    index: int
+    start: int
+    end: int
+    owner: int
+
+    @property
+    def numel(self) -> int:
+        """The number of elements of the piece."""
+        return self.end - self.start
+
+
+def _padded(numel: int, align: int) -> int:
+    return -(-numel // align) * align
+
+
+def flat_offsets(numels: Sequence[int], align: int, world_size: int) -> tuple[list[int], int]:
+    """Lay ``numels`` back to back, each at a multiple of ``align``; return their offsets and
+    the size of each of the ``world_size`` equal ranges (a multiple of ``align``).
+
+    The buffer then holds ``world_size * range`` elements (padding at the end).
+
+    Example:
+        >>> flat_offsets([10, 3, 4], 4, 2)
+        ([0, 12, 16], 12)
+    """
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(end)
+        end += _padded(n, align)
+    used = offsets[-1] + numels[-1] if numels else 0
+    region = _padded(-(-used // world_size), align) if used else 0
+    return offsets, region
+
+
+def cut_flat(groups: Sequence[Sequence[ParamSpec]], world_size: int) -> list[Piece]:
+    """Cut the parameters into pieces by :attr:`Rule.FLAT` (see the module docstring).
+
+    Per key, the trainable parameters (in flat order over every group) sit at the offsets of
+    :func:`flat_offsets`; range ``r`` is ``[r * region, (r + 1) * region)`` and every
+    parameter is cut where it crosses a range boundary, so each rank holds at most one piece
+    of a parameter and a whole buffer is ``world_size`` equal ranges. A frozen (or empty)
+    parameter is one whole piece: frozen ones go round robin, an empty one to the rank whose
+    range holds its offset.
+
+    Returns:
+        Every piece, sorted by ``(index, start)``; the pieces of a parameter cover it.
+
+    Raises:
+        ValueError: ``world_size`` < 1, or parameters of one key with different ``align``.
+
+    Example:
+        >>> [(p.index, p.start, p.end, p.owner) for p in cut_flat([[ParamSpec(10), ParamSpec(6)]], 2)]
+        [(0, 0, 8, 0), (0, 8, 10, 1), (1, 0, 6, 1)]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    specs = [s for group in groups for s in group]
+    by_key: dict[str, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.trainable:
+            by_key.setdefault(spec.key, []).append(i)
+    pieces: list[Piece] = []
+    for key, members in by_key.items():
+        aligns = {specs[i].align for i in members}
+        if len(aligns) != 1:
+            raise ValueError(f"params of flat key {key!r} have different alignments {aligns}")
+        offsets, region = flat_offsets([specs[i].numel for i in members], aligns.pop(), world_size)
+        for i, offset in zip(members, offsets):
+            n = specs[i].numel
+            if n == 0:
+                pieces.append(Piece(i, 0, 0, min(offset // max(region, 1), world_size - 1)))
+                continue
+            for rank in range(offset // region, (offset + n - 1) // region + 1):
+                start = max(offset, rank * region) - offset
+                end = min(offset + n, (rank + 1) * region) - offset
+                pieces.append(Piece(i, start, end, rank))
+    frozen = [i for i, spec in enumerate(specs) if not spec.trainable]
+    pieces += [Piece(i, 0, specs[i].numel, k % world_size) for k, i in enumerate(frozen)]
+    return sorted(pieces, key=lambda p: (p.index, p.start))
+
+
+def piece_loads(pieces: Sequence[Piece], trainable: Sequence[bool], world_size: int) -> list[int]:
+    """Return the number of trainable elements each rank owns, from ``pieces``.
+
+    Example:
+        >>> piece_loads([Piece(0, 0, 8, 0), Piece(0, 8, 10, 1)], [True], 2)
+        [8, 2]
+    """
+    loads = [0] * world_size
+    for piece in pieces:
+        if trainable[piece.index]:
+            loads[piece.owner] += piece.numel
     return loads

@@ -18,14 +18,23 @@ owns in the order its inner optimizer holds them.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oss_plus._layout import Transport
-from oss_plus.partition import ParamPos, ParamSpec, Rule, assign_owners
+from oss_plus.partition import (
+    ParamPos,
+    ParamSpec,
+    Piece,
+    Rule,
+    assign_owners,
+    cut_flat,
+    piece_loads,
+)
 from oss_plus.state import group_offsets, local_view
 
-__all__ = ["Layout", "LocalOrder", "ShardPlan", "ShardPolicy", "make_plan"]
+__all__ = ["Layout", "LocalOrder", "Piece", "ShardPlan", "ShardPolicy", "make_plan"]
 
 
 class LocalOrder(str, enum.Enum):
@@ -125,25 +134,37 @@ class ShardPolicy:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Who owns every parameter, and each rank's local view (a frozen value).
+    """Who owns every parameter (or every piece of one), and each rank's local view (a
+    frozen value).
+
+    One plan type for every rule: the plan is a list of :class:`Piece` s ``(index, start,
+    end, owner)``. Under the whole-tensor rules (fairscale's, torch's) every param is one
+    piece; under :attr:`~oss_plus.partition.Rule.FLAT` a param may be cut into pieces owned
+    by several ranks (:attr:`split`), each rank holding at most one piece of it.
 
     Attributes:
         world_size: number of ranks.
         rule: the partition rule the owners came from.
         group_sizes: number of params in every global group.
-        owners: the owner (group-local rank) of every param, by flat index.
-        local: ``local[rank][g]``: the flat indices of group ``g`` that ``rank`` owns, in the
-            order its inner optimizer holds them.
+        owners: by flat index, the owner (group-local rank) of every param; of a split
+            param, the owner of its first piece.
+        local: ``local[rank][g]``: the flat indices of group ``g`` of which ``rank`` owns the
+            param or a piece, in the order its inner optimizer holds them.
         numels: element count of every param, by flat index.
         trainable: whether every param required a gradient when the plan was made.
+        pieces: every piece, sorted by ``(index, start)`` (default: every param whole, owned
+            by ``owners``).
 
     Raises:
-        ValueError: inconsistent fields (a rank's view that is not exactly what it owns).
+        ValueError: inconsistent fields (pieces that do not cover a param, a rank's view that
+            is not exactly what it owns).
 
     Example:
         >>> plan = make_plan([[ParamSpec(10), ParamSpec(3), ParamSpec(4)]], 2)
-        >>> plan.owners, plan.owned(1), plan.local_indices(1)
-        ((0, 1, 1), [1, 2], [[2, 1]])
+        >>> plan.owners, plan.owned(1), plan.local_indices(1), plan.rank_loads()
+        ((0, 1, 1), [1, 2], [[2, 1]], [10, 7])
+        >>> make_plan([[ParamSpec(10), ParamSpec(6)]], 2, ShardPolicy("flat")).rank_loads()
+        [8, 8]
     """
 
     world_size: int
@@ -153,6 +174,7 @@ class ShardPlan:
     local: tuple[tuple[tuple[int, ...], ...], ...]
     numels: tuple[int, ...]
     trainable: tuple[bool, ...]
+    pieces: tuple[Piece, ...] = ()
 
     def __post_init__(self) -> None:
         n = sum(self.group_sizes)
@@ -161,6 +183,10 @@ class ShardPlan:
                 f"ShardPlan: {n} params in the groups but {len(self.owners)} owners, "
                 f"{len(self.numels)} sizes and {len(self.trainable)} trainable flags"
             )
+        if not self.pieces:
+            whole = tuple(Piece(i, 0, self.numels[i], o) for i, o in enumerate(self.owners))
+            object.__setattr__(self, "pieces", whole)
+        self._check_pieces()
         if len(self.local) != self.world_size:
             raise ValueError(
                 f"ShardPlan: {len(self.local)} local views for world size {self.world_size}"
@@ -173,6 +199,49 @@ class ShardPlan:
                     f"{self.owned(rank)} (one list per group expected)"
                 )
 
+    def _check_pieces(self) -> None:
+        at = [0] * len(self.numels)
+        for piece in self.pieces:
+            i = piece.index
+            if not (0 <= i < len(at) and piece.start == at[i] and 0 <= piece.owner < self.world_size):
+                raise ValueError(f"ShardPlan: {piece} does not continue param {i} at {at[i] if 0 <= i < len(at) else '?'}")
+            at[i] = piece.end
+        bad = [i for i, (end, n) in enumerate(zip(at, self.numels)) if end != n]
+        if bad:
+            raise ValueError(f"ShardPlan: the pieces of params {bad[:5]} do not cover them")
+        leads = {p.index: p.owner for p in reversed(self.pieces)}
+        if tuple(leads[i] for i in range(len(self.owners))) != self.owners:
+            raise ValueError("ShardPlan: owners must be the owner of every param's first piece")
+
+    @functools.cached_property
+    def _by_rank(self) -> tuple[dict[int, Piece], ...]:
+        mine: tuple[dict[int, Piece], ...] = tuple({} for _ in range(self.world_size))
+        for piece in self.pieces:
+            mine[piece.owner][piece.index] = piece
+        return mine
+
+    @functools.cached_property
+    def split(self) -> frozenset[int]:
+        """The flat indices of the params cut into more than one piece."""
+        return frozenset(p.index for p in self.pieces if p.numel != self.numels[p.index])
+
+    def piece(self, rank: int, index: int) -> Piece | None:
+        """Return the piece of param ``index`` that ``rank`` owns (None: no piece)."""
+        return self._by_rank[rank].get(index)
+
+    def pieces_of(self, index: int) -> list[Piece]:
+        """Return the pieces of param ``index``, in order."""
+        return [p for p in self.pieces if p.index == index]
+
+    def rank_loads(self) -> list[int]:
+        """Return the number of trainable elements every rank owns (its optimizer state).
+
+        Example:
+            >>> make_plan([[ParamSpec(10), ParamSpec(3, trainable=False)]], 2).rank_loads()
+            [10, 0]
+        """
+        return piece_loads(self.pieces, self.trainable, self.world_size)
+
     @property
     def num_params(self) -> int:
         """The number of params over all groups."""
@@ -184,8 +253,8 @@ class ShardPlan:
         return [list(self.owners[o : o + s]) for o, s in zip(offsets, self.group_sizes)]
 
     def owned(self, rank: int) -> list[int]:
-        """Return the flat indices ``rank`` owns, in flat order."""
-        return [i for i, owner in enumerate(self.owners) if owner == rank]
+        """Return the flat indices ``rank`` owns (the param or a piece of it), in flat order."""
+        return sorted(self._by_rank[rank])
 
     def local_indices(self, rank: int) -> list[list[int]]:
         """Return ``rank``'s local view: per group, its flat indices in inner order."""
@@ -204,8 +273,24 @@ class ShardPlan:
             )
 
     def moves(self, other: ShardPlan) -> list[tuple[int, int, int]]:
-        """Return ``(flat index, old owner, new owner)`` for every param ``other`` moves."""
+        """Return ``(flat index, old owner, new owner)`` for every param ``other`` moves.
+
+        Raises:
+            ValueError: either plan splits params (compare :attr:`pieces` instead).
+        """
+        if self.split or other.split:
+            raise ValueError("ShardPlan.moves: the plans split params; compare their pieces")
         return [(i, a, b) for i, (a, b) in enumerate(zip(self.owners, other.owners)) if a != b]
+
+    def changed(self, other: ShardPlan) -> list[int]:
+        """Return the flat indices whose pieces (bounds or owners) differ in ``other``."""
+        mine: dict[int, list[Piece]] = {}
+        for p in self.pieces:
+            mine.setdefault(p.index, []).append(p)
+        theirs: dict[int, list[Piece]] = {}
+        for p in other.pieces:
+            theirs.setdefault(p.index, []).append(p)
+        return [i for i in range(len(self.numels)) if mine.get(i) != theirs.get(i)]
 
 
 def make_plan(
@@ -228,6 +313,13 @@ def make_plan(
         (1, 0, 1)
     """
     policy = policy or ShardPolicy()
+    if policy.rule is Rule.FLAT:  # cut again: ranges move when a group is added
+        pieces = cut_flat(groups, world_size)
+        sizes = [len(specs) for specs in groups]
+        holders: list[list[int]] = [[] for _ in range(sum(sizes))]
+        for piece in pieces:
+            holders[piece.index].append(piece.owner)
+        return _flat_plan(groups, pieces, holders, policy, world_size)
     fixed: dict[ParamPos, int] = {}
     if keep is not None:
         flat = 0
@@ -262,4 +354,32 @@ def plan_from_owners(
         ),
         numels=tuple(s.numel for specs in groups for s in specs),
         trainable=tuple(s.trainable for specs in groups for s in specs),
+    )
+
+
+def _flat_plan(
+    groups: Sequence[Sequence[ParamSpec]],
+    pieces: Sequence[Piece],
+    holders: Sequence[Sequence[int]],
+    policy: ShardPolicy,
+    world_size: int,
+) -> ShardPlan:
+    orders = policy.local_orders(groups)
+    offsets = group_offsets([len(specs) for specs in groups])
+    local = tuple(
+        tuple(
+            tuple(offset + i for i in order if rank in holders[offset + i])
+            for offset, order in zip(offsets, orders)
+        )
+        for rank in range(world_size)
+    )
+    return ShardPlan(
+        world_size=world_size,
+        rule=Rule.FLAT,
+        group_sizes=tuple(len(specs) for specs in groups),
+        owners=tuple(h[0] for h in holders),
+        local=local,
+        numels=tuple(s.numel for specs in groups for s in specs),
+        trainable=tuple(s.trainable for specs in groups for s in specs),
+        pieces=tuple(pieces),
     )

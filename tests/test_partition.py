@@ -81,6 +81,6 @@ def test_balance_is_within_one_largest_param():
     rng = random.Random(0)
     for world in (2, 3, 4):
         groups = [[ParamSpec(rng.randint(1, 1000)) for _ in range(50)]]
-        for rule in Rule:
+        for rule in (Rule.FAIRSCALE, Rule.TORCH):  # the whole-tensor rules
             loads = rank_loads(groups, assign_owners(groups, world, rule), world)
             assert max(loads) - min(loads) <= 1000
