@@ -5,6 +5,7 @@ from oss_plus.checkpoint import load_checkpoint, save_checkpoint
 from oss_plus.data_parallel import ShardedDataParallel
 from oss_plus.optimizer import OSS
 from oss_plus.partition import ParamSpec, Rule, assign_owners
+from oss_plus.pieces import elementwise
 
 __all__ = [
     "OSS",
@@ -13,6 +14,7 @@ __all__ = [
     "ShardedDataParallel",
     "ShardedGradScaler",
     "assign_owners",
+    "elementwise",
     "load_checkpoint",
     "save_checkpoint",
 ]

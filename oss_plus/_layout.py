@@ -13,7 +13,12 @@ only moves their bytes. The layouts:
 * :func:`per_param` (torch ZeRO's default): every param (frozen ones too) is its own bucket,
   sent from its own storage;
 * the overlap's pieces (:mod:`oss_plus.overlap.layout`), one bucket per (DDP bucket, owner),
-  built with :func:`lay_out`.
+  built with :func:`lay_out`;
+* :func:`flat_buckets` (the flat partition rule): per (device, dtype) one buffer of every
+  trainable param in flat order, cut into ``world_size`` equal ranges; range ``r`` is rank
+  ``r``'s bucket (a param may span ranges: it is cut into pieces, see :mod:`oss_plus.pieces`).
+  Its buckets carry no status slot (the ranges are back to back), so the sync runs the one
+  ``agree`` instead.
 
 Status slot: a flat bucket carries one element after its params' region. Its owner writes
 its step status there (0: ok, 1: its local step raised) before sending, so every receiver
@@ -29,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oss_plus.partition import flat_offsets
+
 __all__ = [
     "Bucket",
     "Gather",
@@ -36,6 +43,7 @@ __all__ = [
     "alignment",
     "bucket_numel",
     "lay_out",
+    "flat_buckets",
     "ordered_buckets",
     "owner_buckets",
     "per_param",
@@ -107,6 +115,8 @@ class Gather:
     flat: torch.Tensor
     region: int
     wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: every region ends with its rank's status slot (False: the regions are all params)
+    slots: bool = True
     #: the status last written into this rank's slot (slots start at 0)
     status: bool = field(default=False, init=False, repr=False)
 
@@ -261,3 +271,35 @@ def per_param(params_by_owner: Sequence[Sequence[torch.Tensor]]) -> list[Bucket]
         for owner, params in enumerate(params_by_owner)
         for p in params
     ]
+
+
+def flat_buckets(
+    params: Sequence[torch.Tensor], world_size: int, aligned: bool, gathered: Sequence[Key] = ()
+) -> tuple[list[Bucket], list[Gather]]:
+    """The flat rule's layout: per (device, dtype), every trainable param of ``params`` (flat
+    order) at the offsets of :func:`oss_plus.partition.flat_offsets`, in one buffer of
+    ``world_size`` equal ranges; one bucket per range, owned by its rank.
+
+    The same offsets and ranges as :func:`oss_plus.partition.cut_flat` (given the same
+    alignment), so rank ``r``'s bucket holds exactly the pieces it owns. A bucket lists the
+    params that start in it. Keys in ``gathered`` travel by one ``all_gather`` of the whole
+    buffer (a :class:`Gather` without status slots).
+    """
+    buckets: list[Bucket] = []
+    gathers: list[Gather] = []
+    for members in _by_key(params, order_by_size=False):
+        device, dtype = members[0].device, members[0].dtype
+        align = alignment(device, dtype) if aligned else 1
+        offsets, region = flat_offsets([p.numel() for p in members], align, world_size)
+        if region == 0:
+            continue
+        buffer = torch.zeros(world_size * region, dtype=dtype, device=device)
+        lay_out(0, members, aligned, buffer)
+        via = Transport.ALL_GATHER if (str(device), dtype) in gathered else Transport.BROADCAST
+        if via is Transport.ALL_GATHER:
+            gathers.append(Gather(buffer, region, slots=False))
+        for rank in range(world_size):
+            starting = [p for p, o in zip(members, offsets) if o // region == rank]
+            part = buffer[rank * region : (rank + 1) * region]
+            buckets.append(Bucket(rank, part, starting, via=via))
+    return buckets, gathers

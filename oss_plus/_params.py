@@ -15,7 +15,8 @@ from torch.optim import Optimizer
 
 from oss_plus import _dist
 from oss_plus.partition import Rule
-from oss_plus.plan import ShardPolicy
+from oss_plus.pieces import is_elementwise, not_elementwise_message
+from oss_plus.plan import Layout, ShardPolicy
 
 EMPTY_PARAMS = "oss_plus.OSS got an empty parameter list: pass model.parameters() or param groups"
 
@@ -162,6 +163,14 @@ def check_options(
     policy = shard_policy or ShardPolicy()
     if partition_rule is not None:
         policy = dataclasses.replace(policy, rule=Rule(partition_rule))
+    if policy.rule is Rule.FLAT:
+        if not is_elementwise(optim):
+            raise ValueError(not_elementwise_message(optim))
+        if policy.layout is not Layout.OWNER_BUCKETS:
+            raise ValueError(
+                f"partition_rule='flat' lays params out in its own buffers: it needs "
+                f"layout='owner_buckets', got layout={policy.layout.value!r}"
+            )
     return policy
 
 

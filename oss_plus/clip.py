@@ -373,16 +373,18 @@ def clip_owned_(
     filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
     group: Any | None = None,
     error_if_nonfinite: bool = False,
+    partial: bool = False,
 ) -> torch.Tensor:
     """Clip the grads of a sharded optimizer (what :meth:`oss_plus.OSS.clip_grad_norm` runs).
 
     Over the optimizer's own group without a filter: :func:`clip_sharded_` (bit-identical to
-    torch's in fp32). Otherwise partial sums over ``group`` (default the optimizer's) with
+    torch's in fp32). Otherwise (or with ``partial``: ``params`` holds pieces of params, as
+    under the flat rule) partial sums over ``group`` (default the optimizer's) with
     :func:`clip_grad_norm_`, counting ``filter_params_fn(owned)`` and scaling every owned grad.
 
     .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
     """
-    if filter_params_fn is None and (group is None or group is optimizer_group):
+    if not partial and filter_params_fn is None and (group is None or group is optimizer_group):
         return clip_sharded_(
             params,
             owned_mask,

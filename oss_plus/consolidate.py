@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,11 @@ from oss_plus._dist import (
     run_phase,
 )
 from oss_plus._nested import flatten_value, unflatten_value
+from oss_plus.pieces import stitch_state
+from oss_plus.plan import ShardPlan
 from oss_plus.state import ParamState
 
-__all__ = ["Transfer", "exchange_states", "ALL_RANKS"]
+__all__ = ["Transfer", "exchange_states", "whole_states", "ALL_RANKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,3 +213,59 @@ def _move_run(
         if len(run) > 1 and moved.device == buffer.device:
             moved = moved.clone()  # do not keep the whole packing buffer alive
         arrived[t.index][n] = moved
+
+
+def whole_states(
+    local_states: Mapping[int, ParamState],
+    plan: ShardPlan,
+    destinations: Mapping[int, Sequence[int]] | int,
+    shapes: Sequence[torch.Size],
+    group: Any,
+    out_device: torch.device | None = None,
+) -> dict[int, ParamState]:
+    """Send the state of params to ranks, whole: the pieces of a split param are stitched.
+
+    Every rank holding a piece of param ``i`` under ``plan`` (whose states ``local_states``
+    are, keyed by flat index) sends it to each of ``destinations[i]`` (an ``int`` for every
+    param: a rank or :data:`ALL_RANKS`), which stitches the whole state
+    (:func:`oss_plus.pieces.stitch_state`). Under a whole-tensor plan this is one transfer per
+    param and destination, from its owner.
+
+    Args:
+        local_states: this rank's states by flat index (pieces for split params).
+        plan: the plan ``local_states`` were held under.
+        destinations: flat index -> the ranks that need its whole state, or one rank
+            (or :data:`ALL_RANKS`) for every param.
+        shapes: the shape of every param, by flat index.
+        group: the process group.
+        out_device: where received tensors land (None: the communication device).
+
+    Returns:
+        The whole states this rank is a destination of, by flat index (params without state
+        are absent).
+
+    .. warning:: Collective: call on every rank of ``group`` with the same arguments but
+        ``local_states``.
+    """
+    world = plan.world_size
+    if isinstance(destinations, int):
+        destinations = {i: [destinations] for i in range(plan.num_params)}
+    by_index = plan.by_index
+    transfers = [
+        Transfer(i * world + piece.owner, piece.owner, dst)
+        for i, dsts in destinations.items()
+        for piece in by_index.get(i, ())
+        for dst in dsts
+    ]
+    rank = dist.get_rank(group)
+    keyed = {i * world + rank: s for i, s in local_states.items()}
+    received = exchange_states(keyed, transfers, group, out_device=out_device)
+    parts: dict[int, list[tuple[int, int, ParamState]]] = {}
+    for key in sorted(received):
+        i, owner = divmod(key, world)
+        piece = next(p for p in by_index[i] if p.owner == owner)
+        parts.setdefault(i, []).append((piece.start, piece.end, received[key]))
+    return {
+        i: got[0][2] if len(by_index[i]) == 1 else stitch_state(got, shapes[i], i)
+        for i, got in parts.items()
+    }

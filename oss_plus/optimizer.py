@@ -24,8 +24,10 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from oss_plus import _dist, _params, clip
-from oss_plus.consolidate import Transfer, exchange_states
+from oss_plus._layout import alignment
+from oss_plus.consolidate import whole_states
 from oss_plus.partition import ParamSpec, Rule
+from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
@@ -136,6 +138,7 @@ class OSS(ShardedStateDict, Optimizer):
             super().__init__(_params.normalize_params(params), defaults)
             self._optim_defaults, fixed = _params.split_defaults(optim, defaults)
             self._plan = self._make_plan()
+            self._targets = PieceTargets(self.flat_params(), self._plan, self.rank)
             self.optim = self._build_local_optimizer({})
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
@@ -143,6 +146,7 @@ class OSS(ShardedStateDict, Optimizer):
         _params.check_same_model(None if error else self.param_groups, error, self.group)
         copy_hyper(self.optim.param_groups, self.param_groups)
         self._sync = self._build_sync()
+        self._targets.point()
         self._trainable = self._trainable_mask()
         self._initialized = True
 
@@ -164,9 +168,12 @@ class OSS(ShardedStateDict, Optimizer):
         """Return this rank's optimizer state keyed by flat index.
 
         The per-param dicts are new; their tensors are the live ones (not copies): copy them
-        before the next :meth:`step` if they must outlive it.
+        before the next :meth:`step` if they must outlive it. For a param the plan splits
+        (``plan.split``), the state is this rank's piece (``plan.piece(rank, index)``):
+        tensors shaped like the param hold the piece's elements, 1-D
+        (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
         """
-        index = {id(p): i for i, p in enumerate(self.flat_params())}
+        index = {id(p): i for i, p in enumerate(self._targets.targets())}
         return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
 
     def import_local_state(
@@ -176,13 +183,18 @@ class OSS(ShardedStateDict, Optimizer):
 
         Entries for params owned elsewhere are ignored; tensors are copied, never aliased,
         and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
-        With ``param_groups`` (state-dict form), their hyperparameters are loaded first.
-        Not collective.
+        The states are those of whole params: of a param the plan splits, this rank keeps
+        its piece. With ``param_groups`` (state-dict form), their hyperparameters are loaded
+        first. Not collective.
         """
         if param_groups is not None:
             copy_hyper(copy.deepcopy(param_groups), self.param_groups, exclude=("params",))
+        mine = {i: s for i, s in states.items() if self._plan.piece(self.rank, i) is not None}
         local_sd = local_state_dict(
-            self.param_groups, self._plan.local_indices(self.rank), states, copy_tensors=True
+            self.param_groups,
+            self._plan.local_indices(self.rank),
+            self._targets.slice_states(mine),
+            copy_tensors=True,
         )
         self.optim.load_state_dict(local_sd)
         copy_hyper(self.optim.param_groups, self.param_groups)
@@ -191,9 +203,10 @@ class OSS(ShardedStateDict, Optimizer):
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
         """Adopt ``plan`` (default: plan again by the policy) and move state to new owners.
 
-        Every param whose owner changes has its optimizer state sent to the new owner; the
-        inner optimizer is rebuilt over the new shard and the sync layout rebuilt. When no
-        owner or local order changes, the inner optimizer is kept as it is. With ``pin``,
+        Every param whose owner changes (or whose pieces change, under the flat rule) has its
+        optimizer state sent to the new owner(s); the inner optimizer is rebuilt over the new
+        shard and the sync layout rebuilt. When no owner, piece or local order changes, the
+        inner optimizer is kept as it is. With ``pin``,
         later automatic repartitions (``refresh_trainable``, ``add_param_group``) keep this
         plan's owners (the overlap with DDP assigns params by DDP bucket).
 
@@ -208,12 +221,16 @@ class OSS(ShardedStateDict, Optimizer):
         self._pinned = pin or self._pinned
         copy_hyper(self.param_groups, self.optim.param_groups)
         old, self._plan = self._plan, plan
-        if (old.owners, old.local) != (plan.owners, plan.local):
-            moves = [Transfer(i, a, b) for i, a, b in old.moves(plan)]
+        changed = old.changed(plan)
+        if changed or old.local != plan.local:
             local = self.export_local_state()
-            arrived = exchange_states(local, moves, self.group, out_device=None)
-            kept = {i: s for i, s in local.items() if plan.owners[i] == self.rank}
-            self.optim = self._build_local_optimizer({**kept, **arrived})
+            shapes = [p.shape for p in self.flat_params()]
+            arrived = whole_states(local, old, plan.holders(changed), shapes, self.group)
+            mine = set(plan.owned(self.rank)).difference(changed)
+            kept = {i: s for i, s in local.items() if i in mine}
+            self._targets = PieceTargets(self.flat_params(), plan, self.rank)
+            states = {**kept, **self._targets.slice_states(arrived)}
+            self.optim = self._build_local_optimizer(states)
             copy_hyper(self.optim.param_groups, self.param_groups)
         self.install_sync()
 
@@ -236,12 +253,23 @@ class OSS(ShardedStateDict, Optimizer):
         """
         self._sync.release()
         self._sync = (make or self._build_sync)()
+        self._targets.point()
         self._trainable = self._trainable_mask()
         self.drop_consolidated()
 
     def _specs(self) -> list[list[ParamSpec]]:
+        aligned = self._policy.aligned
         return [
-            [ParamSpec(p.numel(), p.requires_grad) for p in g["params"]] for g in self.param_groups
+            [
+                ParamSpec(
+                    p.numel(),
+                    p.requires_grad,
+                    key=f"{p.device}/{p.dtype}",
+                    align=alignment(p.device, p.dtype) if aligned else 1,
+                )
+                for p in g["params"]
+            ]
+            for g in self.param_groups
         ]
 
     def _make_plan(self, keep: bool = False) -> ShardPlan:
@@ -259,16 +287,19 @@ class OSS(ShardedStateDict, Optimizer):
         return make_plan(specs, self.world_size, self._policy, keep=previous)
 
     def _local_groups(self, rank: int | None = None) -> list[dict[str, Any]]:
-        """A rank's param groups: every global group, restricted to the params it owns."""
+        """A rank's param groups: every global group, restricted to the params it owns (on
+        this rank, a split param is represented by this rank's piece of it)."""
+        mine = rank is None or rank == self.rank
         indices = self._plan.local_indices(self.rank if rank is None else rank)
-        return local_groups(self.param_groups, indices, self.flat_params())
+        params = self._targets.targets() if mine else self.flat_params()
+        return local_groups(self.param_groups, indices, params)
 
     def _build_local_optimizer(self, states: dict[int, ParamState]) -> Optimizer:
         """Create the inner optimizer over this rank's shard and give it ``states``."""
         inner = _params.build_inner(
             self._optim_constructor, self._local_groups(), self._optim_defaults
         )
-        place_states(inner, self.flat_params(), states)
+        place_states(inner, self._targets.targets(), states)
         return inner
 
     def _build_sync(self) -> BucketSync:
@@ -293,13 +324,15 @@ class OSS(ShardedStateDict, Optimizer):
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
 
         Element ``r`` lists one dict per global group with the hyperparameters of that group
-        and the params rank ``r`` owns.
+        and the params rank ``r`` owns (under the flat rule: holds a piece of; this rank's
+        own entry lists its piece tensors in place of split params).
         """
         return [self._local_groups(rank) for rank in range(self.world_size)]
 
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
-        """Map every param to the group-local rank that owns it."""
+        """Map every param to the group-local rank that owns it (a split param: the owner of
+        its first piece; ``plan.pieces`` has all of them)."""
         return dict(zip(self.flat_params(), self._plan.owners))
 
     @property
@@ -349,6 +382,10 @@ class OSS(ShardedStateDict, Optimizer):
         """
         if self._trainability_changed():
             self.refresh_trainable()
+        if self._plan.split:
+            return self._clip_pieces(
+                max_norm, norm_type, filter_params_fn, group, error_if_nonfinite
+            )
         owned_mask = [o == self.rank for o in self._plan.owners]
         return clip.clip_owned_(
             self.flat_params(),
@@ -360,6 +397,43 @@ class OSS(ShardedStateDict, Optimizer):
             group=group,
             error_if_nonfinite=error_if_nonfinite,
         )
+
+    def _clip_pieces(
+        self,
+        max_norm: float,
+        norm_type: float,
+        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None,
+        group: Any | None,
+        error_if_nonfinite: bool,
+    ) -> torch.Tensor:
+        """:meth:`clip_grad_norm` when params are split: each rank counts and scales the
+        gradient slices of its pieces (float64 partial sums, one ``all_reduce``)."""
+        params, targets = self.flat_params(), self._targets.targets()
+        owned = [self._plan.piece(self.rank, i) is not None for i in range(len(params))]
+        fn = None
+        if filter_params_fn is not None:  # the hook sees params, never pieces
+            user_fn = filter_params_fn
+            param_of = {id(t): p for t, p in zip(targets, params)}
+            target_of = {id(p): t for t, p in zip(targets, params)}
+
+            def fn(mine: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [target_of[id(p)] for p in user_fn([param_of[id(t)] for t in mine])]
+
+        self._targets.set_grads()
+        try:
+            return clip.clip_owned_(
+                targets,
+                owned,
+                max_norm,
+                norm_type,
+                self.group,
+                filter_params_fn=fn,
+                group=group,
+                error_if_nonfinite=error_if_nonfinite,
+                partial=True,
+            )
+        finally:
+            self._targets.clear_grads()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.
@@ -389,8 +463,13 @@ class OSS(ShardedStateDict, Optimizer):
         copy_hyper(self.param_groups, self.optim.param_groups)
         if closure is not None:
             kwargs["closure"] = closure
+        pieces = self._targets.tensors
+        if pieces:
+            self._targets.set_grads()
         with torch.profiler.record_function("oss_plus::local_step"):
             loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
+        if pieces:
+            self._targets.clear_grads()
         self._sync.sync(self.wire_dtype, error)  # raises on every rank if any rank failed
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
@@ -407,7 +486,11 @@ class OSS(ShardedStateDict, Optimizer):
             super().add_param_group(param_group)
             return
         super().add_param_group(_params.new_group(param_group, self.flat_params()))
+        if self._policy.rule is Rule.FLAT:  # the ranges move: cut again, move the state
+            self.repartition(self._make_plan())
+            return
         self._plan = self._make_plan(keep=True)
+        self._targets = PieceTargets(self.flat_params(), self._plan, self.rank)  # none split
         self.optim.add_param_group(self._local_groups()[-1])
         copy_hyper(self.optim.param_groups, self.param_groups)
         self.install_sync()

@@ -227,7 +227,8 @@ def cut_flat(groups: Sequence[Sequence[ParamSpec]], world_size: int) -> list[Pie
         ValueError: ``world_size`` < 1, or parameters of one key with different ``align``.
 
     Example:
-        >>> [(p.index, p.start, p.end, p.owner) for p in cut_flat([[ParamSpec(10), ParamSpec(6)]], 2)]
+        >>> pieces = cut_flat([[ParamSpec(10), ParamSpec(6)]], 2)
+        >>> [(p.index, p.start, p.end, p.owner) for p in pieces]
         [(0, 0, 8, 0), (0, 8, 10, 1), (1, 0, 6, 1)]
     """
     if world_size < 1:

@@ -203,8 +203,10 @@ class ShardPlan:
         at = [0] * len(self.numels)
         for piece in self.pieces:
             i = piece.index
-            if not (0 <= i < len(at) and piece.start == at[i] and 0 <= piece.owner < self.world_size):
-                raise ValueError(f"ShardPlan: {piece} does not continue param {i} at {at[i] if 0 <= i < len(at) else '?'}")
+            known = 0 <= i < len(at)
+            if not (known and piece.start == at[i] and 0 <= piece.owner < self.world_size):
+                where = at[i] if known else "?"
+                raise ValueError(f"ShardPlan: {piece} does not continue param {i} at {where}")
             at[i] = piece.end
         bad = [i for i, (end, n) in enumerate(zip(at, self.numels)) if end != n]
         if bad:
@@ -231,7 +233,7 @@ class ShardPlan:
 
     def pieces_of(self, index: int) -> list[Piece]:
         """Return the pieces of param ``index``, in order."""
-        return [p for p in self.pieces if p.index == index]
+        return list(self.by_index.get(index, ()))
 
     def rank_loads(self) -> list[int]:
         """Return the number of trainable elements every rank owns (its optimizer state).
@@ -283,14 +285,22 @@ class ShardPlan:
         return [(i, a, b) for i, (a, b) in enumerate(zip(self.owners, other.owners)) if a != b]
 
     def changed(self, other: ShardPlan) -> list[int]:
-        """Return the flat indices whose pieces (bounds or owners) differ in ``other``."""
-        mine: dict[int, list[Piece]] = {}
+        """Return the flat indices whose pieces (bounds or owners) differ in ``other`` (a
+        param that only one of the plans has counts as changed)."""
+        mine, theirs = self.by_index, other.by_index
+        return [i for i in range(max(len(mine), len(theirs))) if mine.get(i) != theirs.get(i)]
+
+    @functools.cached_property
+    def by_index(self) -> dict[int, list[Piece]]:
+        """The pieces of every param, by flat index (read-only: do not modify)."""
+        pieces: dict[int, list[Piece]] = {}
         for p in self.pieces:
-            mine.setdefault(p.index, []).append(p)
-        theirs: dict[int, list[Piece]] = {}
-        for p in other.pieces:
-            theirs.setdefault(p.index, []).append(p)
-        return [i for i in range(len(self.numels)) if mine.get(i) != theirs.get(i)]
+            pieces.setdefault(p.index, []).append(p)
+        return pieces
+
+    def holders(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        """Return, for every flat index of ``indices``, the ranks holding a piece of it."""
+        return {i: [p.owner for p in self.by_index.get(i, ())] for i in indices}
 
 
 def make_plan(

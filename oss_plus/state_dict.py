@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oss_plus import _arrival
-from oss_plus.consolidate import ALL_RANKS, Transfer, exchange_states
+from oss_plus.consolidate import ALL_RANKS, CPU, whole_states
 from oss_plus.state import (
     ParamState,
     copy_hyper,
@@ -65,7 +65,8 @@ class ShardedStateDict:
 
         Tensors (also those nested in lists, tuples and dicts) move by send/recv (or
         broadcast for -1); their structure, shapes and dtypes travel as JSON, nothing is
-        pickled. Other ranks keep no copy. The result is read by
+        pickled. The pieces of a param split by the flat rule are stitched into its whole
+        state (the plain ``torch.optim`` format). Other ranks keep no copy. The result is read by
         :meth:`state_dict` and dropped at the next ``step()``.
 
         Raises:
@@ -80,11 +81,11 @@ class ShardedStateDict:
             )
         copy_hyper(self.param_groups, self.optim.param_groups)
         dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
-        owners = self.plan.owners  # type: ignore[attr-defined]
-        transfers = [Transfer(i, owner, dst) for i, owner in enumerate(owners)]
         self._consolidated_copy = None
         local = self.export_local_state()  # type: ignore[attr-defined]
-        received = exchange_states(local, transfers, self.group)
+        shapes = [p.shape for g in self.param_groups for p in g["params"]]
+        plan = self.plan  # type: ignore[attr-defined]
+        received = whole_states(local, plan, dst, shapes, self.group, out_device=CPU)
         if dst in (ALL_RANKS, self.rank):
             self._consolidated_copy = received
 

@@ -64,10 +64,12 @@ from oss_plus._layout import (
     Transport,
     alignment,
     bucket_numel,
+    flat_buckets,
     ordered_buckets,
     owner_buckets,
     per_param,
 )
+from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
 
 __all__ = [
@@ -157,7 +159,7 @@ def _slots(
     buckets: Sequence[Bucket], gathers: Sequence[Gather], world_size: int
 ) -> list[tuple[int, torch.Tensor]]:
     """Return ``(rank, slot)`` for every status slot sent (the same list on every rank)."""
-    slots = [(rank, g.slot(rank)) for g in gathers for rank in range(world_size)]
+    slots = [(rank, g.slot(rank)) for g in gathers if g.slots for rank in range(world_size)]
     slots += [
         (b.owner, b.slot) for b in buckets if b.slot is not None and b.via is Transport.BROADCAST
     ]
@@ -329,7 +331,7 @@ class BucketSync:
     def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Pending]:
         pending: list[Pending] = []
         for g in self.gathers:
-            if g.status != failed:  # the slot keeps its value between syncs
+            if g.slots and g.status != failed:  # the slot keeps its value between syncs
                 g.slot(self.rank).fill_(float(failed))
                 g.status = failed
             dtype = wire_dtype_for(g.flat.dtype, wire)
@@ -410,6 +412,10 @@ def build_sync(
     if plan.world_size == 1 and not policy.single_rank_layout:
         _requested(policy.transport)
         return BucketSync([], group)
+    if plan.rule is Rule.FLAT:
+        keys = gathered_keys([params], policy.transport, group)
+        buckets, gathers = flat_buckets(params, plan.world_size, policy.aligned, keys)
+        return BucketSync(buckets, group, gathers)
     if policy.layout is Layout.OWNER_BUCKETS:
         by_owner = [[params[i] for i in plan.owned(r)] for r in range(plan.world_size)]
         keys = gathered_keys(by_owner, policy.transport, group)

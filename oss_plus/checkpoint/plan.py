@@ -65,12 +65,23 @@ NOT_OSS = (
 )
 
 
+#: Raised when save/load is given an optimizer whose plan splits params (flat rule).
+SPLIT_PARAMS = (
+    "{fn}: this optimizer's partition_rule='flat' splits params across ranks, and sharded "
+    "checkpoints store whole params only so far; save optimizer.state_dict(all_ranks=True) "
+    "(the pieces stitched, the plain torch.optim format) with write_state_dict, and load it "
+    "with optimizer.load_state_dict(read_state_dict(path))"
+)
+
+
 def check_optimizer(optimizer: Any, fn: str) -> None:
     """Raise TypeError (:data:`NOT_OSS`) unless ``optimizer`` is an :class:`oss_plus.OSS`."""
     from oss_plus.optimizer import OSS
 
     if not isinstance(optimizer, OSS):
         raise TypeError(NOT_OSS.format(fn=fn, kind=type(optimizer).__name__))
+    if optimizer.plan.split:
+        raise ValueError(SPLIT_PARAMS.format(fn=fn))
 
 
 def split_state(states: Mapping[int, Mapping[str, Any]]) -> Entries:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from oss_plus.optimizer import OSS
+from oss_plus.partition import Rule
 
 __all__ = [
     "MISSING_PARAMS",
@@ -60,6 +61,15 @@ MODULE_MOVED = (
 )
 
 
+#: Raised for an optimizer with the flat partition rule (its params may be split).
+FLAT_RULE = (
+    "sharded optimizer {index} uses partition_rule='flat', which splits params across ranks; "
+    "ShardedDataParallel reduces every gradient whole to one owner and does not take it yet: "
+    "use DDP with the flat OSS (every rank keeps the full gradients), or "
+    "partition_rule='fairscale' / 'torch' with ShardedDataParallel"
+)
+
+
 def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
     """Return ``optimizers`` as a list after checking their type and process group.
 
@@ -78,6 +88,8 @@ def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
         theirs = dist.get_process_group_ranks(optimizer.group)
         if theirs != ours:
             raise ValueError(OTHER_GROUP.format(index=index, theirs=theirs, ours=ours))
+        if optimizer.policy.rule is Rule.FLAT and len(ours) > 1:
+            raise ValueError(FLAT_RULE.format(index=index))
     return list(listed)
 
 

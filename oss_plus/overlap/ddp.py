@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from oss_plus.optimizer import OSS
+from oss_plus.partition import Rule
 
 __all__ = ["CommHook", "check_pairing", "ddp_reduce_hook", "grad_views"]
 
@@ -91,6 +92,14 @@ def _ddp_params(ddp: DistributedDataParallel) -> list[torch.Tensor]:
     return [p for p in params if p.requires_grad]
 
 
+#: Raised for an optimizer with the flat partition rule.
+FLAT_RULE = (
+    "the overlap with DDP steps whole params per DDP bucket and does not take "
+    "partition_rule='flat' (which cuts params across ranks): step the flat OSS after "
+    "backward() as usual, or use partition_rule='fairscale' / 'torch' for the overlap"
+)
+
+
 def check_pairing(ddp: DistributedDataParallel, optimizer: OSS) -> None:
     """Raise unless ``ddp`` and ``optimizer`` cover the same ranks and trainable params.
 
@@ -100,6 +109,8 @@ def check_pairing(ddp: DistributedDataParallel, optimizer: OSS) -> None:
     """
     if not isinstance(optimizer, OSS):
         raise TypeError(f"the optimizer must be an oss_plus.OSS, got {type(optimizer).__name__}")
+    if optimizer.policy.rule is Rule.FLAT:
+        raise ValueError(FLAT_RULE)
     ddp_ranks = dist.get_process_group_ranks(ddp.process_group)
     opt_ranks = dist.get_process_group_ranks(optimizer.group)
     if ddp_ranks != opt_ranks:
