@@ -184,7 +184,8 @@ class OSS(ShardedStateDict, Optimizer):
         Entries for params owned elsewhere are ignored; tensors are copied, never aliased,
         and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
         The states are those of whole params: of a param the plan splits, this rank keeps
-        its piece. With ``param_groups`` (state-dict form), their hyperparameters are loaded
+        its piece (a state whose tensors already have the shape of this rank's piece,
+        1-D, as :meth:`export_local_state` gives them, is taken as it is). With ``param_groups`` (state-dict form), their hyperparameters are loaded
         first. Not collective.
         """
         if param_groups is not None:
