@@ -79,7 +79,7 @@ UNKNOWN_MODEL = "unknown model {name!r}: choose one of {known}"
 #: Raised when no parameter would carry optimizer state.
 NO_TRAINABLE = "the model has no trainable parameters: nothing to partition"
 
-_SHAPE = re.compile(r"\d+(x\d+)*")
+_SHAPE = re.compile(r"[0-9]+(x[0-9]+)*")
 
 
 # ------------------------------------------------------------------ shapes -> specs
@@ -126,7 +126,7 @@ def _json_shapes(text: str, source: str) -> list[ParamSpec]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{source} is not valid JSON: {exc}") from None
     ok = isinstance(data, list) and all(
-        isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in data
+        isinstance(s, list) and all(type(d) is int and d >= 0 for d in s) for s in data
     )
     if not ok or not data:
         raise ValueError(
@@ -290,7 +290,12 @@ def balance_rows(
 ) -> list[BalanceRow]:
     """Plan ``specs`` (one param group) for every rule and world size.
 
-    Under the flat rule every spec gets ``align`` and the one key :data:`FLAT_KEY`.
+    Args:
+        specs: one spec per parameter; frozen ones carry no optimizer state.
+        world_sizes: the numbers of ranks N to plan for.
+        rules: :class:`~oss_plus.partition.Rule` s or their values.
+        align: under the flat rule every spec gets this ``align`` and the one key
+            :data:`FLAT_KEY` (the report puts every parameter in one buffer).
 
     Returns:
         One row per (rule, world size), rules outermost, in the given orders.

@@ -169,7 +169,12 @@ def test_read_shapes_from_text_and_json_files(tmp_path):
 
 @pytest.mark.parametrize(
     "content, match",
-    [("[[4, 4], [-1]]", "non-negative"), ("[[4, 4]", "not valid JSON"), ("[]", "JSON list")],
+    [
+        ("[[4, 4], [-1]]", "non-negative"),
+        ("[[4, true]]", "non-negative"),
+        ("[[4, 4]", "not valid JSON"),
+        ("[]", "JSON list"),
+    ],
 )
 def test_read_shapes_names_a_bad_file(tmp_path, content, match):
     path = tmp_path / "bad.json"
