@@ -293,3 +293,23 @@ def test_flat_needs_the_owner_buckets_layout():
     with pytest.raises(ValueError, match="owner_buckets"):
         check_options(torch.optim.SGD, None, ShardPolicy("flat", layout="per_param"), None)
     assert check_options(torch.optim.SGD, None, None, "flat").rule.value == "flat"
+
+
+def overlap_task(ctx):
+    from helpers import ddp_of, make_overlap_model
+
+    from oss_plus.overlap import overlap_with_ddp
+
+    model = make_overlap_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1,
+              partition_rule="flat")  # fmt: skip
+    try:
+        overlap_with_ddp(ddp_of(ctx, model), opt)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_the_ddp_overlap_refuses_the_flat_rule_on_every_rank(pool):
+    for message in pool.run(overlap_task, world_size=2):
+        assert "partition_rule='flat'" in message and "does not take" in message
