@@ -257,8 +257,16 @@ class OSS(ShardedStateDict, Optimizer):
         is given on any rank), ``is_intact()`` and ``release()`` (see
         :class:`oss_plus.sync.BucketSync`). The consolidated state is dropped.
 
+        Under the flat rule the cut depends on the params' dtypes and devices: when they
+        changed (``module.double()``), the default rebuild repartitions first.
+
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
         """
+        if make is None and self._policy.rule is Rule.FLAT and self._initialized:
+            plan = self._make_plan()
+            if plan != self._plan:
+                self.repartition(plan)  # moves the state, then installs the sync
+                return
         self._sync.release()
         self._sync = (make or self._build_sync)()
         self._targets.point()

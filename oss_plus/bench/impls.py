@@ -237,6 +237,11 @@ IMPLS: dict[str, Impl] = {
         Impl("oss_plus_manual", "oss_plus fp32 auto_refresh=False", _oss(auto_refresh=False)),
         Impl("oss_plus_flat", "oss_plus fp32 flat partition", _oss(rule="flat")),
         Impl("oss_plus_flat_bf16", "oss_plus flat bf16 wire", _oss(torch.bfloat16, rule="flat")),
+        Impl(
+            "oss_plus_flat_all_gather",
+            "oss_plus flat all_gather",
+            _oss(transport="all_gather", rule="flat"),
+        ),
         Impl("oss_plus_sync", "oss_plus sync only", _sync_only),
         Impl("fairscale", "fairscale OSS", _fairscale(False), needs="fairscale"),
         Impl("fairscale_fp16", "fairscale OSS fp16", _fairscale(True), needs="fairscale"),
