@@ -49,7 +49,9 @@ def _bf16_hook(group, bucket):
     return default_hooks._compress_hook(torch.bfloat16, group, bucket)
 
 
-def flat_task(ctx, bucket, collective, branch=False, accumulate=0, steps=3, bf16=False):
+def flat_task(
+    ctx, bucket, collective, branch=False, accumulate=0, steps=3, bf16=False, freeze_at=None
+):
     torch.manual_seed(0)
     model = Net(branch=branch)
     ref = copy.deepcopy(model)
@@ -59,12 +61,16 @@ def flat_task(ctx, bucket, collective, branch=False, accumulate=0, steps=3, bf16
     sdp = ShardedDataParallel(
         model, opt, ctx.group, reduce_buffer_size=bucket, collective=collective, **wire
     )
-    ddp = DDP(ref, process_group=ctx.group, find_unused_parameters=branch)
+    unused = branch or freeze_at is not None
+    ddp = DDP(ref, process_group=ctx.group, find_unused_parameters=unused)
     if bf16:  # bf16_compress_hook itself is refused off CUDA; this is its body
         ddp.register_comm_hook(ctx.group, _bf16_hook)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     checks = []
     for step in range(steps):
+        if freeze_at is not None:  # fc1 frozen for two steps: the cut moves twice
+            for m in (sdp.module, ddp.module):
+                m.fc1.weight.requires_grad_(not freeze_at <= step < freeze_at + 2)
         use_branch = branch and (step + ctx.rank) % 2 == 0
         for net, o in ((sdp, opt), (ddp, ref_opt)):
             o.zero_grad()
@@ -114,3 +120,9 @@ def test_flat_rule_with_unused_params_and_no_sync(pool, world):
 @pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 def test_flat_rule_with_a_bf16_reduction_matches_ddps_compress_hook(pool, collective):
     _assert(pool.run(flat_task, 2**23, collective, bf16=True, world_size=2), "ws2")
+
+
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[4]], ids=["ws2", "offset23"])
+def test_flat_rule_follows_freezing_and_unfreezing(pool, world):
+    world_id = WORLD_IDS[WORLDS.index(world)]
+    _assert(pool.run(flat_task, 2**23, "reduce", freeze_at=1, steps=5, **world), world_id)
