@@ -362,3 +362,57 @@ def test_buckets_follow_the_order_backward_produced_the_gradients_in(pool):
         assert [kind for kind, _ in first][:2] == ["grad", "grad"], first
         assert [kind for kind, _ in second] == ["grad", "send"] * 4, second
         assert all(numel[i] == n for (_, i), (_, n) in zip(second[::2], second[1::2])), second
+
+
+def unused_flags_task(ctx, find_unused):
+    """`branch` is used on some ranks and steps, `never` on none: the flags all_reduce runs
+    once per backward only with find_unused_parameters=True (`never` then keeps None on its
+    owner); without it `never` gets the zero sum, as fairscale gives it."""
+    from oss_plus.data_parallel import reducer as reducer_module
+
+    sdp, opt, ddp, ref_opt = pair(
+        ctx, 64, net={"branch": True}, ddp={"find_unused_parameters": True},
+        find_unused_parameters=find_unused,
+    )  # fmt: skip
+    real, calls = reducer_module.dist, []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def all_reduce(self, *args, **kwargs):
+            calls.append("all_reduce")
+            return real.all_reduce(*args, **kwargs)
+
+    reducer_module.dist = Recording()
+    never, exact = [], True
+    try:
+        for step in range(3):
+            use_branch = (step + ctx.rank) % 2 == 0
+            for net, o in ((sdp, opt), (ddp, ref_opt)):
+                o.zero_grad()
+                net(batch(step, ctx.rank), use_branch=use_branch).pow(2).mean().backward()
+            for (name, p), q in zip(sdp.module.named_parameters(), ddp.module.parameters()):
+                if opt.param_to_rank[p] != ctx.rank:
+                    exact &= p.grad is None
+                elif name.startswith("never."):
+                    never.append(None if p.grad is None else float(p.grad.abs().sum()))
+                else:
+                    exact &= q.grad is not None and torch.equal(p.grad, q.grad)
+            opt.step()
+            ref_opt.step()
+    finally:
+        reducer_module.dist = real
+    return {"calls": len(calls), "never": never, "exact": exact,
+            "params": torch.equal(flat(sdp.module), flat(ddp.module))}  # fmt: skip
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_find_unused_parameters_false_sends_no_flags(pool, find_unused):
+    results = pool.run(unused_flags_task, find_unused, world_size=2)
+    for r in results:
+        assert r["exact"] and r["params"]
+        assert r["calls"] == (3 if find_unused else 0)
+    never = [v for r in results for v in r["never"]]
+    assert never, "some rank owns a param of `never`"
+    assert never == ([None] * len(never) if find_unused else [0.0] * len(never))

@@ -233,8 +233,6 @@ ABSENT = {
     "scatter": "DDP's input scatter for device_ids: inputs are not moved",
     "to_kwargs": "DDP's input move for device_ids: inputs are not moved",
     "use_side_stream_for_tensor_copies": "DDP's input copies for device_ids: none here",
-    "find_unused_parameters": "unused params are always handled, with no host read unless "
-    "their owner lacks a gradient",
     "skip_all_reduce_unused_params": "DDP knob; unused params are handled by the used flags",
     "forward_sync_buffers": "DDP internal; broadcast_buffers and sync_buffers() here",
     "will_sync_module_buffers": "DDP internal; broadcast_buffers here",

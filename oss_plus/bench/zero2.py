@@ -35,8 +35,10 @@ import torch.distributed as dist
 
 from oss_plus._launch import pick_backend, run_local
 
-CONFIGS = ("oss_plus_sdp", "ddp_oss", "fairscale_sdp")
-#: Also accepted by --configs: oss_plus's SDP forced to one collective.
+CONFIGS = ("oss_plus_sdp", "oss_plus_sdp_no_unused", "ddp_oss", "fairscale_sdp")
+#: Also accepted by --configs: oss_plus's SDP forced to one collective. A ``_no_unused``
+#: suffix means ``find_unused_parameters=False`` (like DDP's default, and fairscale's SDP,
+#: which sends no used flags).
 EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
@@ -75,9 +77,17 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
     if config.startswith("oss_plus_sdp"):
         from oss_plus import OSS, ShardedDataParallel
 
-        collective = config.removeprefix("oss_plus_sdp").lstrip("_") or "auto"
+        find_unused = not config.endswith("_no_unused")
+        name = config.removesuffix("_no_unused")
+        collective = name.removeprefix("oss_plus_sdp").lstrip("_") or "auto"
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
-        sdp = ShardedDataParallel(model, opt, reduce_buffer_size=bucket, collective=collective)
+        sdp = ShardedDataParallel(
+            model,
+            opt,
+            reduce_buffer_size=bucket,
+            collective=collective,
+            find_unused_parameters=find_unused,
+        )
         return sdp, opt
     if config == "ddp_oss":
         from torch.nn.parallel import DistributedDataParallel
@@ -232,14 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings = {k: getattr(args, k) for k in ("width", "layers", "batch", "bucket", "steps")}
     print(
-        f"{'config':>15} {'rank':>4} {'step (s)':>9} {'peak .grad MB':>14} "
+        f"{'config':>22} {'rank':>4} {'step (s)':>9} {'peak .grad MB':>14} "
         f"{'peak RSS MB':>12} {'model MB':>9} {'CUDA peak MB':>13}"
     )
     configs = args.configs.split(",")
     for config in configs:
         for rank, r in enumerate(run_local(_rank, args.world, config, settings, backend=backend)):
             print(
-                f"{config:>15} {rank:>4} {r['step_s']:>9.3f} {r['grad_mb']:>14.1f} "
+                f"{config:>22} {rank:>4} {r['step_s']:>9.3f} {r['grad_mb']:>14.1f} "
                 f"{r['rss_mb']:>12.1f} {r['model_mb']:>9.1f} {r['cuda_peak_mb']:>13.1f}"
             )
     if args.deep_layers > 0:
@@ -255,14 +265,14 @@ def _print_deep(args: argparse.Namespace, configs: list[str], backend: str) -> N
         f"batch 8, Adam fused, {args.world} {backend} rank(s), side by side, "
         f"median of {args.deep_rounds}"
     )
-    header = f"{'small-layers':>15} {'config':>15} {'rank':>4} {'iter (ms)':>10} {'vs DDP':>7}"
+    header = f"{'small-layers':>15} {'config':>22} {'rank':>4} {'iter (ms)':>10} {'vs DDP':>7}"
     print(f"{header} {'syncs':>6}")
     for rank, r in enumerate(results):
         anchor = r["ddp_oss"][0] if "ddp_oss" in r else float("nan")
         for config, (seconds, syncs) in r.items():
             shown = "n/a" if syncs < 0 else str(syncs)
             print(
-                f"{'small-layers':>15} {config:>15} {rank:>4} {seconds * 1e3:>10.2f} "
+                f"{'small-layers':>15} {config:>22} {rank:>4} {seconds * 1e3:>10.2f} "
                 f"{seconds / anchor:>6.2f}x {shown:>6}"
             )
 

@@ -11,8 +11,9 @@ that does not own them, dropped at once (ZeRO-2). Buckets are sent in plan order
 soon as it and every bucket before it are full, so every rank issues the same collectives.
 
 Unused params. At the end of backward (an autograd engine callback) a member whose hook
-did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Then one small
-``all_reduce`` (MAX) of per-param "had a gradient" bytes is launched, built from host-side
+did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Then (unless
+``find_unused_parameters=False``) one small ``all_reduce`` (MAX) of per-param "had a
+gradient" bytes is launched, built from host-side
 bookkeeping (no device read). The owner reads its result on the host only for params it had
 no gradient for itself (a param it used is used somewhere): a param with no gradient on any
 rank keeps ``.grad = None`` on its owner, as DDP leaves globally unused params untouched.
@@ -69,6 +70,10 @@ class GradReducer:
         plan: the buckets.
         group: the process group (every rank holds the same plan).
         wire: compress floating gradients to this dtype on the wire (None: no compression).
+        collective: ``"reduce"`` or ``"reduce_scatter"``.
+        record: record the order the first backward produces the gradients in.
+        find_unused: all-reduce the used flags, so a param without a gradient on every rank
+            keeps ``grad=None`` (else it gets the zero sum).
 
     .. warning:: Collective: every rank of ``group`` must run the same backward passes.
     """
@@ -81,11 +86,13 @@ class GradReducer:
         wire: torch.dtype | None,
         collective: str = "reduce",
         record: bool = False,
+        find_unused: bool = True,
     ) -> None:
         self.params = list(params)
         self.plan = plan
         self.group = group
         self.collective = collective
+        self.find_unused = find_unused
         self._buckets = Buckets(self.params, plan, group, wire, collective)
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
@@ -301,18 +308,21 @@ class GradReducer:
         work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return used, work
 
-    def _settle_unused(self, anywhere: list[int]) -> None:
-        """Owner, for params it had no gradient for: a gradient iff some rank had one."""
+    def _settle_unused(self, anywhere: list[int] | None) -> None:
+        """Owner, for params it had no gradient for: a gradient iff some rank had one (with
+        ``anywhere`` None, unknown: the sum, zeros if no rank had one, as fairscale)."""
         for b, slots in self._unused.items():
             views = self._buckets.views[b]
             if views is None or not self._buckets.owned[b]:
                 continue  # transient: in self._deferred
             for slot in slots:
                 index = self.plan.buckets[b].members[slot]
-                self.params[index].grad = views[slot] if anywhere[index] else None
+                used = anywhere is None or anywhere[index]
+                self.params[index].grad = views[slot] if used else None
         for index, reduced in self._deferred:
             param = self.params[index]
-            param.grad = reduced.to(param.dtype, copy=True) if anywhere[index] else None
+            used = anywhere is None or anywhere[index]
+            param.grad = reduced.to(param.dtype, copy=True) if used else None
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, settle unused."""
@@ -321,13 +331,15 @@ class GradReducer:
             if buckets.next < len(buckets.groups):
                 self._fill_missing()
                 buckets.launch_ready()
-            flags = self._launch_flags()
+            flags = self._launch_flags() if self.find_unused else None
             buckets.complete_all()
             self._take_results()
             if flags is not None:
                 flags[1].wait()
                 if any(buckets.owned[b] for b in self._unused):
                     self._settle_unused(flags[0].tolist())  # the one host read, only then
+            elif any(buckets.owned[b] for b in self._unused):
+                self._settle_unused(None)
             self._unused, self._deferred = {}, []
             self._zeroed = bytearray(len(self.params))
             if self._recorders and self._seen:  # the first reducing backward: keep its order

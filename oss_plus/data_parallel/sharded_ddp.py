@@ -76,6 +76,13 @@ class ShardedDataParallel(nn.Module):
             ``"reduce_scatter"`` (buckets of different owners in one
             ``reduce_scatter_tensor``) or ``"auto"``: reduce on gloo (measured faster),
             reduce_scatter on NCCL.
+        find_unused_parameters: keyword-only, as DDP's (default True): a param that got no
+            gradient on any rank keeps ``grad=None`` on its owner, as DDP leaves it. That
+            costs one small ``all_reduce`` of "had a gradient" flags per backward. With
+            False no flags travel and such a param gets a zero gradient on its owner, as
+            fairscale's ``ShardedDataParallel`` gives it (a param used on some ranks only is
+            averaged correctly either way; DDP with False raises in that case). Choose False
+            when every param gets a gradient at every backward, or when zeros are fine.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
@@ -107,6 +114,7 @@ class ShardedDataParallel(nn.Module):
         *,
         reduce_dtype: torch.dtype | None = None,
         collective: str = "auto",
+        find_unused_parameters: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
@@ -129,6 +137,9 @@ class ShardedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable
+        #: As DDP's: whether params without a gradient anywhere keep ``grad=None`` (read at
+        #: every re-plan).
+        self.find_unused_parameters = find_unused_parameters
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         devices = {p.device for p in module.parameters()}
         #: As DDP and fairscale: whether the module's params span several devices.
@@ -358,7 +369,13 @@ class ShardedDataParallel(nn.Module):
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer = GradReducer(
-            trainable, plan, self.process_group, self._wire, self.collective, order is None
+            trainable,
+            plan,
+            self.process_group,
+            self._wire,
+            self.collective,
+            order is None,
+            self.find_unused_parameters,
         )
         self._module_buffers = list(self.module.buffers())
         self._submodules = list(self.module.modules())
