@@ -289,7 +289,38 @@ def syncs_task(ctx: Any, device: str) -> list[int]:
     return counts
 
 
+def flat_task(ctx: Any, device: str, sdp: bool) -> dict:
+    """The flat rule on ``device`` under DDP (or ShardedDataParallel) against DDP + plain
+    SGD: params cut inside (64-byte alignment on CPU, 512 on CUDA: the layers are wide
+    enough either way), three steps compared bit for bit, and the step's host syncs (SGD
+    with momentum reads nothing itself; Adam reads its ``step`` counts on CPU)."""
+    model = model_on(device, width=24)
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1, momentum=0.9,
+              partition_rule="flat")  # fmt: skip
+    net = ShardedDataParallel(model, opt, ctx.group) if sdp else DDP(model, process_group=ctx.group)
+    ref_net = DDP(ref_model, process_group=ctx.group)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    exact, syncs = [], []
+    for step in range(3):
+        x = batch(step, width=24, rank=ctx.rank).to(device)
+        for m, o in ((net, opt), (ref_net, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+        syncs.append(count_syncs(opt.step, torch.device(device)))
+        ref.step()
+        exact.append(torch.equal(flat_params(model), flat_params(ref_model)))
+    return {"exact": exact, "syncs": syncs, "split": len(opt.plan.split), "world": ctx.world_size}
+
+
+def check_flat(result: dict) -> None:
+    assert all(result["exact"]), result
+    assert result["split"] > 0 or result["world"] == 1
+    assert result["syncs"] == [0 if result["world"] == 1 else 1] * 3, result["syncs"]
+
+
 TASKS = {
+    "flat": flat_task,
     "sync": sync_task,
     "clip": clip_task,
     "fused": fused_task,
@@ -358,6 +389,14 @@ def check_syncs(counts: list[int], world_size: int) -> None:
 
 
 # ------------------------------------------------------------------ gloo, CUDA tensors, 2-4 ranks
+@pytest.mark.gpu
+@pytest.mark.parametrize("sdp", [False, True], ids=["ddp", "sdp"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gloo_flat_rule_on_cuda(pool, world_size, sdp):
+    for r in pool.run(strict, "flat", CUDA, sdp, world_size=world_size):
+        check_flat(r)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("wire", [None, "bf16", "fp16"])
@@ -447,6 +486,12 @@ def test_nccl_fused_state_and_checkpoints(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sdp", [False, True], ids=["ddp", "sdp"])
+def test_nccl_flat_rule(sdp):
+    check_flat(run_nccl("flat", sdp))
+
+
+@pytest.mark.gpu
 def test_nccl_overlap_amp_sdp_and_no_sync_alone():
     assert run_nccl("overlap") == [True] * 4
     check_amp(run_nccl("amp", "fp16"))
@@ -477,6 +522,10 @@ def test_gpu_tasks_hold_on_cpu(pool, tmp_path):
     for world_size in (1, 2, 3):
         for r in pool.run(strict, "syncs", "cpu", world_size=world_size):
             check_syncs(r, world_size)
+    for world_size in (1, 2):
+        for sdp in (False, True):
+            for r in pool.run(strict, "flat", "cpu", sdp, world_size=world_size):
+                check_flat(r)
 
 
 def test_strict_devices_catch_a_reference_built_without_a_device():
