@@ -294,7 +294,7 @@ def flat_task(ctx: Any, device: str, sdp: bool) -> dict:
     SGD: params cut inside (64-byte alignment on CPU, 512 on CUDA: the layers are wide
     enough either way), three steps compared bit for bit, and the step's host syncs (SGD
     with momentum reads nothing itself; Adam reads its ``step`` counts on CPU)."""
-    model = model_on(device, width=24)
+    model = model_on(device, width=26)  # cut inside a param at both alignments (2 ranks)
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1, momentum=0.9,
               partition_rule="flat")  # fmt: skip
@@ -303,7 +303,7 @@ def flat_task(ctx: Any, device: str, sdp: bool) -> dict:
     ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     exact, syncs = [], []
     for step in range(3):
-        x = batch(step, width=24, rank=ctx.rank).to(device)
+        x = batch(step, width=26, rank=ctx.rank).to(device)
         for m, o in ((net, opt), (ref_net, ref)):
             o.zero_grad()
             m(x).pow(2).mean().backward()
