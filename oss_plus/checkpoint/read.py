@@ -54,8 +54,13 @@ OTHER_SAVE = (
 def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     """Load a checkpoint saved by :func:`save_checkpoint` or :func:`write_state_dict`.
 
-    Works for both layouts at any world size: each rank reads (lazily, with ``safe_open``)
-    only the tensors of the params it owns now, and checks their dtype, shape and checksum.
+    Works for both layouts at any world size and under any partition rule, whatever the
+    rule that saved it: each rank reads (lazily, with ``safe_open``) only the tensors of the
+    params it owns now, and checks their dtype, shape and checksum. State stored as pieces
+    (``partition_rule="flat"``) is stitched for a param this rank holds whole; of a param
+    it holds a piece of (flat rule), only the stored elements of that piece are read (a
+    stored tensor larger than :data:`PARTIAL_READ_BYTES` needed in part is read with
+    ``get_slice``, which checks dtype and shape but not the checksum).
     Param groups are restored exactly (``betas`` stays a tuple, ints stay ints) and
     non-tensor state comes from JSON; nothing is unpickled. Everything is validated before
     the optimizer is touched; an error on any rank is raised on every rank.
@@ -67,9 +72,9 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     Raises:
         TypeError: ``optimizer`` is not an OSS.
         FileNotFoundError: no checkpoint at ``path``, or one of its files is missing.
-        ValueError: a truncated or corrupted file, an index of another format version, or a
-            checkpoint of a different model (count, shape or dtype mismatch); the message
-            names the file and the mismatch.
+        ValueError: a truncated or corrupted file, an index of another format version,
+            pieces that do not cover their tensor, or a checkpoint of a different model
+            (count, shape or dtype mismatch); the message names the file and the mismatch.
 
     Example:
         >>> load_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
@@ -114,13 +119,15 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Return the checkpoint at ``path`` as a plain ``torch.optim`` state dict.
 
     Needs no process group. The result equals the consolidated ``state_dict()`` of the
-    optimizer that saved it (dtypes included) and loads into a plain torch optimizer, an
+    optimizer that saved it (dtypes included; state saved as pieces is stitched into whole
+    tensors) and loads into a plain torch optimizer, an
     :class:`oss_plus.OSS`, fairscale's OSS or torch's ZeroRedundancyOptimizer. Every tensor
     is checksummed; nothing is unpickled.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` or a missing file.
-        ValueError: a truncated or corrupted file or an index of another format version.
+        ValueError: a truncated or corrupted file, an index of another format version, or
+            pieces that do not cover their tensor.
 
     Example:
         >>> torch_optimizer.load_state_dict(read_state_dict("ckpt/step_1000"))  # doctest: +SKIP

@@ -65,7 +65,10 @@ def save_checkpoint(
     """Save the optimizer state to the directory ``path``, atomically.
 
     With ``sharded=True`` every rank writes the state of the params it owns to its own
-    safetensors file, in parallel; no tensor travels between ranks. With ``sharded=False``
+    safetensors file, in parallel; no tensor travels between ranks. Under
+    ``partition_rule="flat"`` a rank writes, of a param cut into pieces, its own piece of
+    every state tensor (a ``pieces`` entry of format version 3; the ``step`` once, by the
+    rank holding the first piece). With ``sharded=False``
     group rank 0 writes one consolidated file while the other ranks stream their tensors to it
     in chunks of at most 16 MiB, so no rank holds more than that beyond its own shard. Rank 0
     writes ``index.json`` (param groups, shapes, dtypes, partition, non-tensor state).
