@@ -1,4 +1,4 @@
-"""Command line: ``python -m oss_plus demo | bench | ckpt ...`` (also ``oss-plus``).
+"""Command line: ``python -m oss_plus demo | bench | ckpt | plan ...`` (also ``oss-plus``).
 
 Each subcommand lives with its feature: a module listed in :data:`COMMANDS` exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (``args -> exit code``).
@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": "oss_plus.demo",
     "bench": "oss_plus.bench.cli",
     "ckpt": "oss_plus.checkpoint.cli",
+    "plan": "oss_plus.plan_report",
 }
 
 

@@ -44,8 +44,9 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 class OSS(ShardedStateDict, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
-    Every rank owns about ``1/world_size`` of the parameters (whole tensors), keeps optimizer
-    state for those only, steps them, then broadcasts them so all replicas stay identical.
+    Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of
+    them with ``partition_rule="flat"``), keeps optimizer state for those only, steps them,
+    then broadcasts them so all replicas stay identical.
     In fp32 the parameters are bit-identical to those of the unsharded optimizer.
 
     Args:
@@ -63,9 +64,13 @@ class OSS(ShardedStateDict, Optimizer):
             not); the forward pass of each rank uses its own copy. See ``docs/amp.md``.
         force_broadcast_object: ignored; kept for fairscale compatibility (state never
             travels as a pickled object here).
-        partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1) or
-            ``"torch"`` (largest first, frozen params weigh their size); overrides the rule
-            of ``shard_policy``.
+        partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1),
+            ``"torch"`` (largest first, frozen params weigh their size), both keeping every
+            param whole, or ``"flat"``: per (device, dtype) the trainable params are laid
+            back to back and cut into ``world_size`` equal ranges, so every rank holds 1/N
+            of the state at any N and a param may be split across ranks (elementwise
+            optimizers only, see :func:`oss_plus.elementwise` and ``docs/partition.md``).
+            Overrides the rule of ``shard_policy``.
         broadcast_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``;
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
         shard_policy: keyword-only :class:`~oss_plus.plan.ShardPolicy` (partition rule,
@@ -89,7 +94,8 @@ class OSS(ShardedStateDict, Optimizer):
         TypeError: ``params`` holds a non-tensor, ``optim`` is not an optimizer class, or a
             keyword ``optim`` does not take (raised on every rank).
         ValueError: empty or sparse params, a param listed twice, an optimizer whose update
-            is not per parameter (``torch.optim.LBFGS``), or the ranks of ``group`` hold
+            is not per parameter (``torch.optim.LBFGS``), ``partition_rule="flat"`` with an
+            optimizer not known to be elementwise, or the ranks of ``group`` hold
             different models (raised on every rank). Whatever the inner optimizer's
             constructor raises on any rank is raised on every rank too.
 
@@ -185,8 +191,9 @@ class OSS(ShardedStateDict, Optimizer):
         and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
         The states are those of whole params: of a param the plan splits, this rank keeps
         its piece (a state whose tensors already have the shape of this rank's piece,
-        1-D, as :meth:`export_local_state` gives them, is taken as it is). With ``param_groups`` (state-dict form), their hyperparameters are loaded
-        first. Not collective.
+        1-D, as :meth:`export_local_state` gives them, is taken as it is). With
+        ``param_groups`` (state-dict form), their hyperparameters are loaded first. Not
+        collective.
         """
         if param_groups is not None:
             copy_hyper(copy.deepcopy(param_groups), self.param_groups, exclude=("params",))
@@ -250,8 +257,16 @@ class OSS(ShardedStateDict, Optimizer):
         is given on any rank), ``is_intact()`` and ``release()`` (see
         :class:`oss_plus.sync.BucketSync`). The consolidated state is dropped.
 
+        Under the flat rule the cut depends on the params' dtypes and devices: when they
+        changed (``module.double()``), the default rebuild repartitions first.
+
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
         """
+        if make is None and self._policy.rule is Rule.FLAT and self._initialized:
+            plan = self._make_plan()
+            if plan != self._plan:
+                self.repartition(plan)  # moves the state, then installs the sync
+                return
         self._sync.release()
         self._sync = (make or self._build_sync)()
         self._targets.point()

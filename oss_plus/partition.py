@@ -36,6 +36,7 @@ __all__ = [
     "assign_owners",
     "cut_flat",
     "flat_offsets",
+    "piece_loads",
     "rank_loads",
 ]
 

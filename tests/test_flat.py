@@ -11,6 +11,7 @@ from helpers import (
     WORLD_IDS,
     WORLDS,
     backward,
+    batch,
     clone_model,
     flat_params,
     groups_of,
@@ -293,3 +294,58 @@ def test_flat_needs_the_owner_buckets_layout():
     with pytest.raises(ValueError, match="owner_buckets"):
         check_options(torch.optim.SGD, None, ShardPolicy("flat", layout="per_param"), None)
     assert check_options(torch.optim.SGD, None, None, "flat").rule.value == "flat"
+
+
+def overlap_task(ctx):
+    from helpers import ddp_of, make_overlap_model
+
+    from oss_plus.overlap import overlap_with_ddp
+
+    model = make_overlap_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1,
+              partition_rule="flat")  # fmt: skip
+    try:
+        overlap_with_ddp(ddp_of(ctx, model), opt)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_the_ddp_overlap_refuses_the_flat_rule_on_every_rank(pool):
+    for message in pool.run(overlap_task, world_size=2):
+        assert "partition_rule='flat'" in message and "does not take" in message
+
+
+def realloc_task(ctx, kind):
+    """Params re-allocated between steps (``.data`` replaced, or a dtype change that moves the
+    cut): the next step re-points the pieces (and cuts again), exactly as the reference."""
+    model = make_model(depth=4)
+    ref_model = clone_model(model)
+    optim, kwargs = (torch.optim.SGD, {"lr": 0.1}) if kind == "double" else (
+        torch.optim.Adam, {"lr": 0.01})  # fmt: skip
+    opt = _flat(model, ctx, optim, **kwargs)
+    ref = optim(ref_model.parameters(), **kwargs)
+    exact = train_in_lockstep(model, opt, ref_model, ref, 2)
+    before = opt.plan.pieces
+    for m in (model, ref_model):
+        if kind == "double":
+            m.double()
+        else:
+            for p in m.parameters():
+                p.data = p.data.clone()
+    dtype = next(model.parameters()).dtype
+    for step in range(2):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(batch(step).to(dtype)).pow(2).mean().backward()
+            o.step()
+        exact.append(torch.equal(flat_params(model), flat_params(ref_model)))
+    return {"exact": exact, "recut": opt.plan.pieces != before}
+
+
+@pytest.mark.parametrize("kind", ["clone", "double"])
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[4]], ids=["ws2", "offset23"])
+def test_reallocated_params_are_followed(pool, world, kind):
+    for r in pool.run(realloc_task, kind, **world):
+        assert all(r["exact"]), r["exact"]
+        assert r["recut"] == (kind == "double")

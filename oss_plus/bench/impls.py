@@ -18,9 +18,11 @@ import torch.distributed as dist
 from oss_plus import OSS
 from oss_plus.demo import state_bytes
 from oss_plus.partition import ParamSpec, Rule, assign_owners
+from oss_plus.pieces import elementwise
 from oss_plus.sync import transport_override
 
 
+@elementwise  # it touches no element, so the flat rule may cut its params
 class NoStep(torch.optim.Optimizer):
     """An optimizer whose ``step`` does nothing (``--optimizer noop``): a row then times only
     what the wrapper adds around the step (checks, hyperparameter copies, the sync)."""
@@ -105,12 +107,22 @@ def _torch_clip(params: list[torch.nn.Parameter]) -> Callable[[float], Any]:
 
 
 def _oss(
-    wire: torch.dtype | None = None, transport: str | None = None, auto_refresh: bool = True
+    wire: torch.dtype | None = None,
+    transport: str | None = None,
+    auto_refresh: bool = True,
+    rule: str = "fairscale",
 ) -> Callable[..., Runner]:
     def build(params: list[torch.nn.Parameter], optimizer: str) -> Runner:
         cls, kwargs = OPTIMIZERS[optimizer]
         with transport_override(transport):
-            opt = OSS(params, optim=cls, broadcast_dtype=wire, auto_refresh=auto_refresh, **kwargs)
+            opt = OSS(
+                params,
+                optim=cls,
+                broadcast_dtype=wire,
+                auto_refresh=auto_refresh,
+                partition_rule=rule,
+                **kwargs,
+            )
         clip = getattr(opt, "clip_grad_norm", None)
         via = ",".join(sorted(opt.sync_buckets.transports())) or "none"
         return Runner(
@@ -223,6 +235,13 @@ IMPLS: dict[str, Impl] = {
         Impl("oss_plus_fp16", "oss_plus OSS fp16 wire", _oss(torch.float16)),
         Impl("oss_plus_all_gather", "oss_plus fp32 all_gather", _oss(transport="all_gather")),
         Impl("oss_plus_manual", "oss_plus fp32 auto_refresh=False", _oss(auto_refresh=False)),
+        Impl("oss_plus_flat", "oss_plus fp32 flat partition", _oss(rule="flat")),
+        Impl("oss_plus_flat_bf16", "oss_plus flat bf16 wire", _oss(torch.bfloat16, rule="flat")),
+        Impl(
+            "oss_plus_flat_all_gather",
+            "oss_plus flat all_gather",
+            _oss(transport="all_gather", rule="flat"),
+        ),
         Impl("oss_plus_sync", "oss_plus sync only", _sync_only),
         Impl("fairscale", "fairscale OSS", _fairscale(False), needs="fairscale"),
         Impl("fairscale_fp16", "fairscale OSS fp16", _fairscale(True), needs="fairscale"),

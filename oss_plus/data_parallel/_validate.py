@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from oss_plus.optimizer import OSS
-from oss_plus.partition import Rule
 
 __all__ = [
     "MISSING_PARAMS",
@@ -61,15 +60,6 @@ MODULE_MOVED = (
 )
 
 
-#: Raised for an optimizer with the flat partition rule (its params may be split).
-FLAT_RULE = (
-    "sharded optimizer {index} uses partition_rule='flat', which splits params across ranks; "
-    "ShardedDataParallel reduces every gradient whole to one owner and does not take it yet: "
-    "use DDP with the flat OSS (every rank keeps the full gradients), or "
-    "partition_rule='fairscale' / 'torch' with ShardedDataParallel"
-)
-
-
 def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
     """Return ``optimizers`` as a list after checking their type and process group.
 
@@ -88,8 +78,6 @@ def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
         theirs = dist.get_process_group_ranks(optimizer.group)
         if theirs != ours:
             raise ValueError(OTHER_GROUP.format(index=index, theirs=theirs, ours=ours))
-        if optimizer.policy.rule is Rule.FLAT and len(ours) > 1:
-            raise ValueError(FLAT_RULE.format(index=index))
     return list(listed)
 
 
@@ -116,3 +104,14 @@ def owners_of(
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise ValueError(MISSING_PARAMS.format(count=len(missing), names=shown))
     return owners
+
+
+def pieces_of(optimizers: Sequence[OSS]) -> dict[torch.Tensor, tuple[tuple[int, int, int], ...]]:
+    """Map every param an optimizer's plan splits (flat rule) to ``(start, end, owner)`` of
+    its pieces, read from the public plan."""
+    pieces: dict[torch.Tensor, tuple[tuple[int, int, int], ...]] = {}
+    for optimizer in optimizers:
+        plan, params = optimizer.plan, optimizer.flat_params()
+        for index in sorted(plan.split):
+            pieces[params[index]] = tuple((p.start, p.end, p.owner) for p in plan.by_index[index])
+    return pieces

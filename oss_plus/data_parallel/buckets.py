@@ -14,6 +14,11 @@ Collectives (:func:`~oss_plus.data_parallel.plan.launch_groups`):
   segment padded to the group's largest bucket). Transient buckets are views of that input;
   a persistent bucket is copied into its segment at launch and receives the sum in place.
 
+A *split bucket* (a param the flat partition rule cut into pieces) is transient on every
+rank; at launch each piece's slice is sent with one ``dist.reduce`` to the piece's owner (on
+every backend: the pieces are of unequal size), and a rank holding a piece keeps the sum in
+its range (:meth:`Buckets.results`; the reducer zeroes the rest).
+
 Groups launch strictly in plan order, each when all its buckets are full, so every rank
 issues the same collectives in the same order. At launch the buffer is scaled by
 ``1 / world_size`` (DDP's ``mul_out``; compressed: divided in the wire dtype, as DDP's
@@ -84,8 +89,9 @@ class Buckets:
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         buckets = plan.buckets
         self.members = [[params[i] for i in b.members] for b in buckets]
-        self.owned = [b.owner == self.rank for b in buckets]
-        self._dst = [_dist.global_rank(group, b.owner) for b in buckets]
+        self.owned = [b.holds(self.rank) for b in buckets]
+        self._split = [bool(b.pieces) for b in buckets]
+        self._dst = [_dist.global_rank(group, b.owner) if b.owner >= 0 else -1 for b in buckets]
         self._dtype = [buffer_dtype(m[0].dtype, wire) for m in self.members]
         self._compressed = [d != m[0].dtype for d, m in zip(self._dtype, self.members)]
         self._scatter = collective == "reduce_scatter"
@@ -105,7 +111,7 @@ class Buckets:
     def _allocate_persistent(self) -> None:
         for b, bucket in enumerate(self.plan.buckets):
             members = self.members[b]
-            if not self.owned[b] or self._compressed[b]:
+            if not self.owned[b] or self._compressed[b] or self._split[b]:
                 continue
             if not all(p.is_contiguous() for p in members):
                 continue  # a view could not honour the param's strides: copy instead
@@ -138,7 +144,7 @@ class Buckets:
     def _segment(self, b: int) -> torch.Tensor:
         """The flat storage of bucket ``b``: its own buffer, or its segment of the input."""
         numel, device = self.plan.buckets[b].numel, self.members[b][0].device
-        if not self._scatter:
+        if not self._scatter or self._split[b]:
             return torch.empty(numel, dtype=self._dtype[b], device=device)
         start = self.plan.buckets[b].owner * self.groups[self._group_of[b]].segment
         return self._input(self._group_of[b])[start : start + numel]
@@ -174,7 +180,7 @@ class Buckets:
     @torch.no_grad()
     def _launch(self, g: int) -> None:
         first = self.groups[g].buckets[0]
-        if self._scatter:
+        if self._scatter and not self._split[first]:
             flat, target, out = self._scatter_buffers(g)
         else:
             if self.flats[first] is None:
@@ -188,7 +194,19 @@ class Buckets:
         else:
             flat.mul_(1.0 / self.world_size)
         with torch.profiler.record_function("oss_plus::sdp::reduce_bucket"):
-            if self._scatter:
+            if self._split[first]:
+                work = _AllOf(
+                    [
+                        dist.reduce(
+                            flat[start:end],
+                            dst=_dist.global_rank(self.group, owner),
+                            group=self.group,
+                            async_op=True,
+                        )
+                        for start, end, owner in self.plan.buckets[first].pieces
+                    ]
+                )
+            elif self._scatter:
                 work = dist.reduce_scatter_tensor(target, flat, group=self.group, async_op=True)
             else:
                 work = dist.reduce(flat, dst=self._dst[first], group=self.group, async_op=True)
@@ -236,3 +254,19 @@ class Buckets:
         """Wait for every collective in flight."""
         while self._works:
             self.complete_oldest()
+
+
+class _AllOf:
+    """The works of a split bucket's per-piece reduces, waited for as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()

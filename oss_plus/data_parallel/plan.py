@@ -8,6 +8,9 @@ the collectives match: buckets are launched strictly in plan order.
 Rules:
 
 * a bucket holds params with the same owner, dtype and device;
+* a param split into pieces by the flat partition rule (:attr:`GradSpec.pieces`) travels
+  alone, in a *split bucket* (owner ``-1``): each piece's slice of the gradient is reduced
+  to that piece's owner;
 * params are taken in the order backward produces their gradients: as observed in a
   previous backward when given, else *reverse* registration order (DDP's first guess too),
   and a bucket is closed when the next param would take it past ``bucket_numel``
@@ -33,11 +36,14 @@ class GradSpec:
         numel: element count.
         owner: group-local rank that owns the param (its optimizer state and its gradient).
         key: what must be equal for two params to share a flat buffer (dtype, device).
+        pieces: for a param split across ranks (flat partition rule), ``(start, end,
+            owner)`` of every piece of the flattened param; empty for a whole param.
     """
 
     numel: int
     owner: int
     key: Hashable
+    pieces: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,16 +51,23 @@ class Bucket:
     """Params (indices into the spec list) reduced together to ``owner`` in one collective.
 
     Attributes:
-        owner: group-local rank receiving the sum.
+        owner: group-local rank receiving the sum (-1: a split bucket, see ``pieces``).
         members: indices of the params, in the order of their slices in the flat buffer.
         offsets: element offset of each member in the flat buffer.
         numel: total element count of the flat buffer.
+        pieces: of a split bucket (one param), ``(start, end, owner)`` of every piece: each
+            slice is reduced to its owner.
     """
 
     owner: int
     members: tuple[int, ...]
     offsets: tuple[int, ...]
     numel: int
+    pieces: tuple[tuple[int, int, int], ...] = ()
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` receives (part of) this bucket's sum."""
+        return self.owner == rank or any(owner == rank for _, _, owner in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,9 @@ def plan_buckets(
     closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
     for index in ready:
         spec = specs[index]
+        if spec.pieces:  # alone, completed by its own gradient
+            closed.append((rank_of[index], [index]))
+            continue
         slot_key = (spec.owner, spec.key)
         members = open_.get(slot_key, [])
         size = sum(specs[i].numel for i in members)
@@ -119,8 +135,9 @@ def plan_buckets(
             offsets.append(total)
             total += specs[index].numel
             position[index] = (b, slot)
-        owner = specs[members[0]].owner
-        buckets.append(Bucket(owner, tuple(members), tuple(offsets), total))
+        pieces = specs[members[0]].pieces
+        owner = -1 if pieces else specs[members[0]].owner
+        buckets.append(Bucket(owner, tuple(members), tuple(offsets), total, pieces))
     return ReducePlan(tuple(buckets), position)
 
 
@@ -143,7 +160,8 @@ def launch_groups(
     plan: ReducePlan, scatter: bool, keys: Sequence[Hashable] | None = None
 ) -> tuple[LaunchGroup, ...]:
     """Group consecutive buckets with distinct owners and equal keys (``scatter``, where
-    ``keys[b]`` is bucket ``b``'s dtype and device), or one bucket each.
+    ``keys[b]`` is bucket ``b``'s dtype and device), or one bucket each. A split bucket is
+    always alone (its pieces are reduced one by one).
 
     Groups keep the plan order, so launching them in order launches the buckets in order.
 
@@ -160,7 +178,8 @@ def launch_groups(
     current: list[int] = []
     for b, bucket in enumerate(plan.buckets):
         clash = any(plan.buckets[c].owner == bucket.owner for c in current)
-        if current and (clash or keys[current[0]] != keys[b]):
+        split = bucket.pieces or (current and plan.buckets[current[0]].pieces)
+        if current and (clash or split or keys[current[0]] != keys[b]):
             groups.append(LaunchGroup(tuple(current), max(plan.buckets[c].numel for c in current)))
             current = []
         current.append(b)

@@ -251,6 +251,9 @@ class GradReducer:
     def _take_results(self) -> None:
         """Owner of transient buckets: widen the sums into its grads (unused: deferred)."""
         for b, sums in self._buckets.results:
+            pieces = self.plan.buckets[b].pieces
+            if pieces:  # a split param: keep the sum in this rank's piece, zeros elsewhere
+                _keep_own(sums[0], pieces, self._buckets.rank)
             unused = self._unused.get(b, ())
             grads, values = [], []
             for slot, (param, value) in enumerate(zip(self._buckets.members[b], sums)):
@@ -344,3 +347,13 @@ def _stage(out: torch.Tensor, param: torch.Tensor, owned: bool) -> None:
     out.copy_(grad.detach() if grad.requires_grad else grad)
     if not owned:
         param.grad = None  # copied: free it now
+
+
+@torch.no_grad()
+def _keep_own(value: torch.Tensor, pieces: Sequence[tuple[int, int, int]], rank: int) -> None:
+    """Zero ``value`` (a split param's reduced gradient) outside ``rank``'s piece: those
+    elements were reduced to the other pieces' owners and hold no sum here."""
+    flat = value.view(-1)
+    for start, end, owner in pieces:
+        if owner != rank:
+            flat[start:end].zero_()

@@ -343,8 +343,12 @@ class ShardedDataParallel(nn.Module):
     def _plan_for(self, order: list[int] | None) -> tuple[list[torch.Tensor], ReducePlan]:
         named = list(self.module.named_parameters())
         owners = _validate.owners_of(self._optimizers, named)
+        pieces = _validate.pieces_of(self._optimizers)
         trainable: list[torch.Tensor] = [p for _, p in named if p.requires_grad]
-        specs = [GradSpec(p.numel(), owners[p], (p.dtype, p.device)) for p in trainable]
+        specs = [
+            GradSpec(p.numel(), owners[p], (p.dtype, p.device), pieces.get(p, ()))
+            for p in trainable
+        ]
         return trainable, plan_buckets(specs, self.reduce_buffer_size, order)
 
     def _replan(self, order: list[int] | None = None) -> None:
