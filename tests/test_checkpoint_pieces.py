@@ -218,6 +218,40 @@ def test_every_rank_writes_its_own_pieces_and_read_state_dict_is_the_unsharded_s
         assert {int(n.split(".")[1]) for n in names if "@" in n} == owned
 
 
+def traffic_task(ctx, root):
+    """A flat sharded save with every collective spied on: what travelled between ranks."""
+    model, ref_model = model_and_ref()
+    opt = oss_of(model, ctx, "flat")
+    train_pair(model, opt, ref_model, torch.optim.AdamW(groups_of(ref_model, True), lr=LR), 2)
+    names = ("send", "recv", "isend", "irecv", "broadcast", "all_gather", "gather", "all_reduce")
+    originals = {n: getattr(dist, n) for n in names}
+    sent = []
+
+    def spy(name):
+        def call(tensor, *args, **kwargs):
+            first = tensor if isinstance(tensor, torch.Tensor) else args[0]
+            sent.append((name, first.dtype))
+            return originals[name](tensor, *args, **kwargs)
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist, name, spy(name))
+        save_checkpoint(opt, root)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return sent, len(opt.plan.split), diff(read_state_dict(root), opt.state_dict(all_ranks=True))
+
+
+def test_a_sharded_save_of_pieces_moves_no_tensor_between_ranks(pool, tmp_path):
+    for sent, split, problem in pool.run(traffic_task, str(tmp_path / "c"), world_size=3):
+        assert split > 0 and problem is None
+        assert {name for name, _ in sent} <= {"all_reduce", "all_gather", "gather", "broadcast"}
+        assert all(dtype in (torch.uint8, torch.int32, torch.int64) for _, dtype in sent), sent
+
+
 # ------------------------------------------------------------------ loading anywhere
 def load_and_continue(ctx, path, model_file, rule, partial=False):
     """Load ``path`` into OSS(``rule``) and into a plain AdamW that loaded read_state_dict;
