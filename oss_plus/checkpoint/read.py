@@ -216,21 +216,8 @@ def read_states(
         ValueError: a file is unreadable, from another save, or a tensor differs from the
             index (dtype, shape, checksum). The message names the file and the tensor.
     """
-    pieces = pieces or {}
     wanted = sorted(i for i in set(indices) if i in index.state)
-    plans: dict[tuple[int, str], tuple[list[_Request], tuple[int, ...]]] = {}
-    nested: list[_Request] = []
-    for i in wanted:
-        shape = tuple(shapes[i]) if shapes is not None else None
-        for key, entry in index.state[i].items():
-            if isinstance(entry, NestedValue):
-                nested.extend((ref, 0, _numel(ref.shape)) for ref in entry.tensors)
-            planned = _requests(entry, pieces.get(i), shape)
-            if planned is not None:
-                plans[(i, key)] = planned
-    by_file: dict[str, list[_Request]] = {}
-    for request in [r for requests, _ in plans.values() for r in requests] + nested:
-        by_file.setdefault(request[0].file, []).append(request)
+    plans, by_file = _plan_reads(index, wanted, pieces or {}, shapes)
     got: dict[tuple[str, str, int, int], torch.Tensor] = {}
     with torch.profiler.record_function("oss_plus::checkpoint_read"):
         for name, listed in by_file.items():
@@ -247,6 +234,32 @@ def read_states(
         return copy.deepcopy(entry.value)
 
     return {i: {k: value_of(i, k, v) for k, v in index.state[i].items()} for i in wanted}
+
+
+def _plan_reads(
+    index: Index,
+    wanted: Sequence[int],
+    pieces: Mapping[int, tuple[int, int]],
+    shapes: Sequence[Sequence[int]] | None,
+) -> tuple[
+    dict[tuple[int, str], tuple[list[_Request], tuple[int, ...]]], dict[str, list[_Request]]
+]:
+    """Per (flat index, key) the reads that make its tensor and the tensor's shape; and
+    every read (tensors inside nested values too) by file."""
+    plans: dict[tuple[int, str], tuple[list[_Request], tuple[int, ...]]] = {}
+    nested: list[_Request] = []
+    for i in wanted:
+        shape = tuple(shapes[i]) if shapes is not None else None
+        for key, entry in index.state[i].items():
+            if isinstance(entry, NestedValue):
+                nested.extend((ref, 0, _numel(ref.shape)) for ref in entry.tensors)
+            planned = _requests(entry, pieces.get(i), shape)
+            if planned is not None:
+                plans[(i, key)] = planned
+    by_file: dict[str, list[_Request]] = {}
+    for request in [r for requests, _ in plans.values() for r in requests] + nested:
+        by_file.setdefault(request[0].file, []).append(request)
+    return plans, by_file
 
 
 def _numel(shape: Sequence[int]) -> int:
