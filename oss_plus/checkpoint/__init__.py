@@ -4,8 +4,10 @@ A checkpoint is a directory: ``index.json`` (everything that is not a tensor, as
 JSON) plus safetensors files holding the state tensors. ``save_checkpoint(sharded=True)``
 has every rank write the state it owns, in parallel, with no tensor leaving its rank;
 ``sharded=False`` streams every rank's tensors to rank 0 into one file in bounded chunks.
-``load_checkpoint`` works for both layouts at any world size: each rank reads only the
-tensors it owns now. Saves are atomic (the index is replaced last, after every rank
+``load_checkpoint`` works for both layouts at any world size and under any partition
+rule: each rank reads only the tensors it owns now. Under ``partition_rule="flat"`` a rank
+saves its own pieces of split params (format version 3) and loads only the stored elements
+of the pieces it holds. Saves are atomic (the index is replaced last, after every rank
 succeeded) and nothing on a load path unpickles anything. See ``docs/checkpoints.md``.
 
 The package, by concern (imports flow down the list):

@@ -16,8 +16,8 @@ from typing import Any, TextIO
 
 import torch
 
-from oss_plus._nested import flatten_value, unflatten_value
-from oss_plus.checkpoint.format import Index, NestedValue, PlainValue, TensorRef
+from oss_plus._nested import unflatten_value
+from oss_plus.checkpoint.format import Index, NestedValue, PiecesValue, PlainValue, TensorRef
 from oss_plus.checkpoint.plan import nbytes_of
 from oss_plus.checkpoint.read import check_files, read_index, read_state_dict
 from oss_plus.checkpoint.save import write_state_dict
@@ -83,6 +83,11 @@ def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
             shown = unflatten_value(entry.skeleton, [_Shown(ref) for ref in entry.tensors])
             parts.append(f"{key}={shown!r}")
             total += sum(nbytes_of(ref.dtype, ref.shape) for ref in entry.tensors)
+        elif isinstance(entry, PiecesValue):  # the stitched tensor, and its pieces count
+            first = entry.parts[0][2]
+            shown = TensorRef(first.file, first.name, first.dtype, entry.shape, 0)
+            parts.append(f"{key}:{_Shown(shown)!r}/{len(entry.parts)}pieces")
+            total += sum(nbytes_of(ref.dtype, ref.shape) for _, _, ref in entry.parts)
         elif isinstance(entry, PlainValue):
             parts.append(f"{key}={entry.value!r}")
     return " ".join(parts) or "-", total
@@ -123,6 +128,20 @@ def _param_rows(index: Index) -> list[list[str]]:
     return rows
 
 
+def _stored_tensors(index: Index) -> int:
+    """The number of tensors the data files of ``index`` hold (every piece counts)."""
+    count = 0
+    for entries in index.state.values():
+        for v in entries.values():
+            if isinstance(v, NestedValue):
+                count += len(v.tensors)
+            elif isinstance(v, PiecesValue):
+                count += len(v.parts)
+            else:
+                count += isinstance(v, TensorRef)
+    return count
+
+
 def _inspect(args: argparse.Namespace) -> int:
     root = Path(args.path)
     index = read_index(root)
@@ -130,9 +149,8 @@ def _inspect(args: argparse.Namespace) -> int:
     _print_summary(root, index, sys.stdout)
     _table(_param_rows(index), sys.stdout)
     if args.verify:
-        state = read_state_dict(root)["state"]
-        count = sum(len(flatten_value(v)[1]) for s in state.values() for v in s.values())
-        print(f"verified:   {count} tensors match their checksums")
+        read_state_dict(root)  # reads every stored tensor whole: checks every checksum
+        print(f"verified:   {_stored_tensors(index)} tensors match their checksums")
     return 0
 
 
@@ -208,11 +226,7 @@ def _convert(args: argparse.Namespace) -> int:
     state_dict = _pick(data, args.key, source)
     write_state_dict(state_dict, target, progress=ProgressBar(f"converting {source.name}"))
     index = read_index(target)
-    tensors = sum(
-        len(v.tensors) if isinstance(v, NestedValue) else isinstance(v, TensorRef)
-        for s in index.state.values()
-        for v in s.values()
-    )
+    tensors = _stored_tensors(index)
     size = sum(f["bytes"] for f in index.files.values())
     print(f"wrote {target}: {index.num_params} params, {tensors} tensors, {_size(size)}")
     return 0

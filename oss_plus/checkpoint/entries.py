@@ -1,9 +1,11 @@
 """The per-parameter state entries of a checkpoint index: pure, no I/O, no collectives.
 
 Each state key of a param is a :class:`TensorRef` (a tensor in a data file), a
-:class:`PlainValue` (type-tagged JSON) or, from format version 2, a :class:`NestedValue`
+:class:`PlainValue` (type-tagged JSON), from format version 2 a :class:`NestedValue`
 (a JSON skeleton of a container whose tensors are in data files, named by
-:func:`nested_names`). ``docs/checkpoints.md`` is the specification.
+:func:`nested_names`) or, from format version 3, a :class:`PiecesValue` (a tensor shaped
+like its param stored as 1-D pieces, element ranges of the flattened tensor, named by
+:func:`piece_name`). ``docs/checkpoints.md`` is the specification.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from oss_plus.checkpoint.values import decode_value, encode_value, torch_dtype
 
 __all__ = [
     "NestedValue",
+    "PiecesValue",
     "PlainValue",
     "TensorRef",
     "decode_state",
     "encode_state",
     "nested_names",
+    "piece_name",
     "tensor_name",
 ]
 
@@ -50,6 +54,16 @@ def nested_names(index: int, key: str, skeleton: Any) -> list[str]:
         ['state.3.pre/mats/0', 'state.3.pre/mats/1']
     """
     return [f"{tensor_name(index, key)}/{path}" for path in tensor_paths(skeleton)]
+
+
+def piece_name(index: int, key: str, start: int) -> str:
+    """Return the file name of the piece starting at element ``start`` of a pieced tensor.
+
+    Example:
+        >>> piece_name(3, "exp_avg", 40)
+        'state.3.exp_avg@40'
+    """
+    return f"{tensor_name(index, key)}@{start}"
 
 
 @dataclass(frozen=True)
@@ -92,8 +106,75 @@ class NestedValue:
     tensors: tuple[Any, ...]
 
 
+@dataclass(frozen=True)
+class PiecesValue:
+    """A state tensor stored as pieces: element ranges of the flattened tensor (version 3).
+
+    The state of a param that the flat partition rule cuts across ranks: every rank holding
+    a piece ``[start, end)`` of the param stores the 1-D slice of each state tensor shaped
+    like the param. ``parts`` are ``(start, end, tensor)`` sorted by ``start``: live 1-D
+    tensors in a save's entries before they are written, :class:`TensorRef` after (and in
+    an index). In an index the parts cover ``0 .. numel(shape)`` exactly
+    (:func:`check_pieces`); while a rank saves, its entries hold its own part only.
+
+    Attributes:
+        shape: the shape of the whole (stitched) tensor: the param's.
+        parts: ``(start, end, tensor or TensorRef)`` per piece.
+    """
+
+    shape: tuple[int, ...]
+    parts: tuple[tuple[int, int, Any], ...]
+
+    @property
+    def numel(self) -> int:
+        """The element count of the whole tensor."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def merged(self, other: PiecesValue) -> PiecesValue:
+        """Return the pieces of both (sorted by start), with this one's shape."""
+        return PiecesValue(self.shape, tuple(sorted(self.parts + other.parts, key=_start)))
+
+
+def _start(part: tuple[int, int, Any]) -> int:
+    return part[0]
+
+
+def check_pieces(value: PiecesValue, where: str) -> None:
+    """Check that ``value``'s parts (TensorRefs) cover its tensor exactly, in order.
+
+    Every part must be a 1-D tensor of ``end - start`` elements of one dtype, starting where
+    the previous one ended, the first at 0 and the last ending at ``numel(shape)``.
+
+    Raises:
+        ValueError: a missing, overlapping or misshaped piece, naming ``where`` and the ranges.
+    """
+    ranges = [(a, b) for a, b, _ in value.parts]
+    at, problem = 0, ""
+    for a, b, ref in value.parts:
+        if a != at or b <= a:
+            problem = f"a piece [{a}, {b}) where element {at} was expected"
+        elif tuple(ref.shape) != (b - a,):
+            problem = f"the piece [{a}, {b}) is stored with shape {tuple(ref.shape)}"
+        elif ref.dtype != value.parts[0][2].dtype:
+            problem = f"the piece [{a}, {b}) is {ref.dtype}, the first {value.parts[0][2].dtype}"
+        if problem:
+            break
+        at = b
+    if not problem and at != value.numel:
+        problem = f"the pieces end at element {at}"
+    if problem:
+        raise ValueError(
+            f"{where}: the pieces {ranges} do not make the tensor of shape {value.shape} "
+            f"({value.numel} elements): {problem}; a piece is missing or the index is damaged: "
+            "restore the checkpoint or re-save it"
+        )
+
+
 def encode_state(
-    state: Mapping[int, Mapping[str, TensorRef | PlainValue | NestedValue]],
+    state: Mapping[int, Mapping[str, TensorRef | PlainValue | NestedValue | PiecesValue]],
 ) -> dict[str, Any]:
     """Encode per-param state entries (``TensorRef``, ``PlainValue``, ``NestedValue``).
 
@@ -103,9 +184,14 @@ def encode_state(
     return {str(i): {k: _encode_entry(v, i, k) for k, v in state[i].items()} for i in sorted(state)}
 
 
-def _encode_entry(entry: TensorRef | PlainValue | NestedValue, i: int, key: str) -> dict[str, Any]:
+def _encode_entry(
+    entry: TensorRef | PlainValue | NestedValue | PiecesValue, i: int, key: str
+) -> dict[str, Any]:
     if isinstance(entry, TensorRef):
         return {"tensor": entry.to_json()}
+    if isinstance(entry, PiecesValue):
+        parts = [{"start": a, "end": b, "tensor": ref.to_json()} for a, b, ref in entry.parts]
+        return {"pieces": parts, "shape": list(entry.shape)}
     if isinstance(entry, NestedValue):
         return {"nested": entry.skeleton, "tensors": [ref.to_json() for ref in entry.tensors]}
     return {"value": encode_value(entry.value, f"state {i} key {key!r}")}
@@ -113,8 +199,11 @@ def _encode_entry(entry: TensorRef | PlainValue | NestedValue, i: int, key: str)
 
 def decode_state(
     data: Mapping[str, Any], where: str, files: Mapping[str, Any]
-) -> dict[int, dict[str, TensorRef | PlainValue | NestedValue]]:
+) -> dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]]:
     """Decode what :func:`encode_state` produced; every file must be one of ``files``.
+
+    The pieces of a :class:`PiecesValue` are sorted by start but not checked for coverage
+    (the metadata of one rank holds its own piece only): :func:`check_pieces` does that.
 
     Raises:
         ValueError: a malformed entry (named by index and key) or an unlisted file.
@@ -129,9 +218,16 @@ def decode_state(
 
 def _parse_entry(
     entry: Any, where: str, files: Mapping[str, Any]
-) -> TensorRef | PlainValue | NestedValue:
+) -> TensorRef | PlainValue | NestedValue | PiecesValue:
     if "value" in entry:
         return PlainValue(decode_value(entry["value"], where))
+    if "pieces" in entry:
+        parts = [
+            (int(p["start"]), int(p["end"]), _parse_ref(p["tensor"], where, files))
+            for p in entry["pieces"]
+        ]
+        shape = tuple(int(s) for s in entry["shape"])
+        return PiecesValue(shape, tuple(sorted(parts, key=_start)))
     if "nested" in entry:
         refs = tuple(_parse_ref(ref, where, files) for ref in entry["tensors"])
         unflatten_value(entry["nested"], refs, where)  # raises ValueError if malformed

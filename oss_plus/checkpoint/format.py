@@ -3,7 +3,8 @@
 A checkpoint is a directory holding ``index.json`` and one or more safetensors files. The
 index is the single source of truth: it lists the files, the param groups, the parameters
 and, per parameter, every state key as a reference to a tensor in a file, as a JSON value,
-or (format version 2) as a JSON skeleton of a container whose tensors are in files.
+(format version 2) as a JSON skeleton of a container whose tensors are in files, or (format
+version 3) as the pieces of a tensor cut across ranks by the flat partition rule.
 Python values are encoded with type tags so that tuples, ints, floats (inf and nan included),
 bools and None come back exactly. ``docs/checkpoints.md`` is the specification.
 """
@@ -19,11 +20,14 @@ from typing import Any
 
 from oss_plus.checkpoint.entries import (
     NestedValue,
+    PiecesValue,
     PlainValue,
     TensorRef,
+    check_pieces,
     decode_state,
     encode_state,
     nested_names,
+    piece_name,
     tensor_name,
 )
 from oss_plus.checkpoint.values import decode_value, encode_value
@@ -38,6 +42,7 @@ __all__ = [
     "SHARDED",
     "Index",
     "NestedValue",
+    "PiecesValue",
     "PlainValue",
     "TensorRef",
     "consolidated_file",
@@ -49,17 +54,19 @@ __all__ = [
     "shard_file",
     "stage_path",
     "nested_names",
+    "piece_name",
     "tensor_name",
 ]
 
 #: Value of the ``format`` key of every index.
 FORMAT_NAME = "oss_plus.optimizer_checkpoint"
 #: The newest version this module reads and writes. A save writes version 1 unless its state
-#: holds tensors inside containers (:class:`NestedValue`, version 2), so older readers still
-#: read every checkpoint they can.
-FORMAT_VERSION = 2
+#: holds tensors inside containers (:class:`NestedValue`, version 2) or tensors stored as
+#: pieces (:class:`PiecesValue`, version 3), so older readers still read every checkpoint
+#: they can.
+FORMAT_VERSION = 3
 #: The versions this module reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 #: Name of the index inside a checkpoint directory (the commit point of a save).
 INDEX_FILE = "index.json"
 #: Key of the save id in the ``__metadata__`` of every data file.
@@ -161,7 +168,8 @@ def decode_groups(groups: Sequence[Mapping[str, Any]], where: str) -> list[dict[
 class Index:
     """A parsed ``index.json`` (decoded Python values; JSON only at the boundary).
 
-    ``state[i][key]`` is a :class:`TensorRef` or a :class:`PlainValue`. ``params`` (shape,
+    ``state[i][key]`` is a :class:`TensorRef`, a :class:`PlainValue`, a :class:`NestedValue`
+    or a :class:`PiecesValue`. ``params`` (shape,
     dtype string, trainable per flat index) and the saving optimizer, world size and
     partition are ``None`` for checkpoints converted from a plain state dict.
     """
@@ -170,7 +178,7 @@ class Index:
     save_id: str
     param_groups: list[dict[str, Any]]
     files: dict[str, dict[str, int]]
-    state: dict[int, dict[str, TensorRef | PlainValue | NestedValue]]
+    state: dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]]
     params: list[dict[str, Any]] | None = None
     optimizer: str | None = None
     world_size: int | None = None
@@ -185,8 +193,8 @@ class Index:
     @property
     def format_version(self) -> int:
         """The version this index is written with: the lowest that can hold its state."""
-        nested = any(isinstance(v, NestedValue) for e in self.state.values() for v in e.values())
-        return 2 if nested else 1
+        kinds = {type(v) for e in self.state.values() for v in e.values()}
+        return 3 if PiecesValue in kinds else 2 if NestedValue in kinds else 1
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object written to ``index.json``.
@@ -273,6 +281,12 @@ class Index:
         if data["layout"] not in (SHARDED, CONSOLIDATED):
             raise ValueError(f"{where}: unknown layout {data['layout']!r}")
         state = decode_state(data["state"], where, files)
+        for i, entries in state.items():
+            for key, entry in entries.items():
+                if isinstance(entry, PiecesValue):
+                    if data["format_version"] < 3:
+                        raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
+                    check_pieces(entry, f"{where}: state {i} key {key!r}")
         index = cls(
             layout=data["layout"],
             save_id=str(data["save_id"]),

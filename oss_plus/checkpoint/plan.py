@@ -6,7 +6,9 @@
 :func:`tensor_slots` / :func:`file_header` lay the tensors out in a safetensors file. Every
 rank computes the same layout from the same entries, so the consolidated stream needs no
 negotiation. A tensor is addressed by its :data:`Slot`: top-level state tensors and the
-tensors inside container values (:class:`~oss_plus.checkpoint.format.NestedValue`) alike.
+tensors inside container values (:class:`~oss_plus.checkpoint.format.NestedValue`) and
+this rank's pieces of params the flat rule splits
+(:class:`~oss_plus.checkpoint.format.PiecesValue`) alike.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from oss_plus.checkpoint.format import (
     SHARDED,
     Index,
     NestedValue,
+    PiecesValue,
     PlainValue,
     TensorRef,
     consolidated_file,
     encode_groups,
     nested_names,
+    piece_name,
     safetensors_header,
     shard_file,
     stage_path,
@@ -45,32 +49,27 @@ __all__ = [
     "check_optimizer",
     "describe",
     "file_header",
+    "local_pieces",
+    "merge_entries",
     "nbytes_of",
     "replace_slots",
     "split_state",
     "tensor_slots",
 ]
 
-#: Per param: state key -> tensor (before writing), TensorRef (after), PlainValue, or
-#: NestedValue (holding tensors before writing, TensorRefs after).
+#: Per param: state key -> tensor (before writing), TensorRef (after), PlainValue,
+#: NestedValue or PiecesValue (holding tensors before writing, TensorRefs after).
 Entries = dict[int, dict[str, Any]]
 #: Where a tensor is in entries: (flat index, state key, position in a NestedValue's tensors,
-#: or -1 for a top-level tensor).
+#: the start of a PiecesValue's part, or -1 for a top-level tensor).
 Slot = tuple[int, str, int]
+#: This rank's pieces of split params: flat index -> (start, end, the param's shape).
+Pieces = dict[int, tuple[int, int, tuple[int, ...]]]
 #: Raised when save/load is given something other than an oss_plus optimizer.
 NOT_OSS = (
     "{fn} expects an oss_plus.OSS optimizer, got {kind}: for a plain torch optimizer use "
     "write_state_dict(optimizer.state_dict(), path) and "
     "optimizer.load_state_dict(read_state_dict(path))"
-)
-
-
-#: Raised when save/load is given an optimizer whose plan splits params (flat rule).
-SPLIT_PARAMS = (
-    "{fn}: this optimizer's partition_rule='flat' splits params across ranks, and sharded "
-    "checkpoints store whole params only so far; save optimizer.state_dict(all_ranks=True) "
-    "(the pieces stitched, the plain torch.optim format) with write_state_dict, and load it "
-    "with optimizer.load_state_dict(read_state_dict(path))"
 )
 
 
@@ -80,25 +79,51 @@ def check_optimizer(optimizer: Any, fn: str) -> None:
 
     if not isinstance(optimizer, OSS):
         raise TypeError(NOT_OSS.format(fn=fn, kind=type(optimizer).__name__))
-    if optimizer.plan.split:
-        raise ValueError(SPLIT_PARAMS.format(fn=fn))
 
 
-def split_state(states: Mapping[int, Mapping[str, Any]]) -> Entries:
-    """Validate per-param state and split it into tensors, :class:`PlainValue` and
-    :class:`NestedValue` entries (containers that hold tensors; the tensors are not copied).
+def local_pieces(optimizer: Any) -> Pieces:
+    """Return the pieces ``optimizer``'s rank holds of the params its plan splits.
+
+    Example:
+        >>> local_pieces(opt)  # doctest: +SKIP
+        {3: (40, 80, (10, 8))}
+    """
+    plan, shapes = optimizer.plan, [tuple(p.shape) for p in optimizer.flat_params()]
+    mine = {i: plan.piece(optimizer.rank, i) for i in sorted(plan.split)}
+    return {i: (p.start, p.end, shapes[i]) for i, p in mine.items() if p is not None}
+
+
+def split_state(states: Mapping[int, Mapping[str, Any]], pieces: Pieces | None = None) -> Entries:
+    """Validate per-param state and split it into tensors, :class:`PlainValue`,
+    :class:`NestedValue` entries (containers that hold tensors) and :class:`PiecesValue`
+    entries; the tensors are not copied.
+
+    For a param of ``pieces`` (this rank holds its elements ``[start, end)``), a state tensor
+    of ``end - start`` elements, 1-D, is this rank's piece of a tensor shaped like the param
+    (a :class:`PiecesValue` with one part); every other value is the param's, the same on
+    every rank holding a piece, and is kept by the rank holding the first piece only (so it
+    is stored once).
 
     Raises:
         TypeError: a non-string key, a dtype safetensors cannot store, a sparse tensor, or a
             value JSON cannot store (the message names the param, the key and the place).
     """
     entries: Entries = {}
+    pieces = pieces or {}
     for i in sorted(states):
         entries[i] = {}
         for key, value in states[i].items():
             where = f"optimizer state of param {i}, key {key!r}"
             if not isinstance(key, str):
                 raise TypeError(f"{where}: state keys must be strings to be saved")
+            if i in pieces:
+                start, end, shape = pieces[i]
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == (end - start,):
+                    part = (start, end, _storable(value, where))
+                    entries[i][key] = PiecesValue(shape, (part,))
+                    continue
+                if start != 0:  # the param's value: stored by the first piece's rank
+                    continue
             if isinstance(value, torch.Tensor):
                 entries[i][key] = _storable(value, where)
                 continue
@@ -111,6 +136,34 @@ def split_state(states: Mapping[int, Mapping[str, Any]]) -> Entries:
                 skeleton, tuple(_storable(t, f"{where} at {n}") for t, n in zip(tensors, names))
             )
     return entries
+
+
+def merge_entries(per_rank: Sequence[Entries]) -> Entries:
+    """Merge the entries of every rank into those of the whole optimizer (PURE).
+
+    A param held whole comes from one rank. Of a param cut into pieces, every rank holding
+    one contributes a :class:`PiecesValue` per piece-shaped key, merged into one by start,
+    and the rank of the first piece the param's other values; the key order is that rank's.
+    Never raises (it runs on the coordinator alone, between collectives): should two ranks
+    give a key otherwise than as pieces, the first piece's rank wins; readers check that the
+    merged pieces cover their tensor (:func:`~oss_plus.checkpoint.entries.check_pieces`).
+    """
+    contributions: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for entries in per_rank:
+        for i, entry in entries.items():
+            starts = [v.parts[0][0] for v in entry.values() if isinstance(v, PiecesValue)]
+            contributions.setdefault(i, []).append((min(starts, default=0), entry))
+    merged: Entries = {}
+    for i in sorted(contributions):
+        merged[i] = {}
+        for _, entry in sorted(contributions[i], key=lambda c: c[0]):
+            for key, value in entry.items():
+                have = merged[i].get(key)
+                if have is None:
+                    merged[i][key] = value
+                elif isinstance(have, PiecesValue) and isinstance(value, PiecesValue):
+                    merged[i][key] = have.merged(value)
+    return merged
 
 
 def _storable(tensor: torch.Tensor, where: str) -> torch.Tensor:
@@ -226,9 +279,10 @@ def tensor_slots(entries: Mapping[int, Mapping[str, Any]]) -> list[tuple[Slot, s
     in file order.
 
     Larger element sizes first (so every tensor starts aligned to its element size), then by
-    flat index, key order and position in a container: every rank computes the same order
-    from the same entries. Names are :func:`tensor_name` / :func:`nested_names` (those of
-    TensorRefs are theirs); a name a param already uses gets ``~`` appended.
+    flat index, key order and position in a container (or start of a piece): every rank
+    computes the same order from the same entries. Names are :func:`tensor_name` /
+    :func:`nested_names` / :func:`piece_name` (those of TensorRefs are theirs); a name a
+    param already uses gets ``~`` appended.
     """
     items: list[tuple[Slot, str, Any]] = []
     for i in sorted(entries):
@@ -241,6 +295,11 @@ def tensor_slots(entries: Mapping[int, Mapping[str, Any]]) -> list[tuple[Slot, s
                 items.extend(
                     ((i, key, n), _unique(t, name, used), t)
                     for n, (name, t) in enumerate(zip(names, value.tensors))
+                )
+            elif isinstance(value, PiecesValue):
+                items.extend(
+                    ((i, key, a), _unique(t, piece_name(i, key, a), used), t)
+                    for a, _, t in value.parts
                 )
     return sorted(items, key=lambda item: -_itemsize(item[2]))
 
@@ -263,6 +322,9 @@ def replace_slots(entries: Mapping[int, Mapping[str, Any]], new: Mapping[Slot, A
             if isinstance(value, NestedValue):
                 tensors = tuple(new.get((i, key, n), t) for n, t in enumerate(value.tensors))
                 value = NestedValue(value.skeleton, tensors)
+            elif isinstance(value, PiecesValue):
+                parts = tuple((a, b, new.get((i, key, a), t)) for a, b, t in value.parts)
+                value = PiecesValue(value.shape, parts)
             out[i][key] = new.get((i, key, -1), value)
     return out
 

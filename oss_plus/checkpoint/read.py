@@ -11,7 +11,7 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,17 @@ from safetensors import SafetensorError, safe_open
 
 from oss_plus import _dist
 from oss_plus._nested import unflatten_value
-from oss_plus.checkpoint.format import INDEX_FILE, SAVE_ID_KEY, Index, NestedValue, TensorRef
-from oss_plus.checkpoint.plan import check_optimizer
+from oss_plus.checkpoint.format import (
+    INDEX_FILE,
+    SAVE_ID_KEY,
+    Index,
+    NestedValue,
+    PiecesValue,
+    TensorRef,
+)
+from oss_plus.checkpoint.plan import check_optimizer, local_pieces, nbytes_of
 from oss_plus.checkpoint.storage import crc32_of
-from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
+from oss_plus.checkpoint.values import dtype_name, dtype_string
 from oss_plus.state import per_element_keys, state_shape_error
 
 __all__ = [
@@ -47,8 +54,13 @@ OTHER_SAVE = (
 def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     """Load a checkpoint saved by :func:`save_checkpoint` or :func:`write_state_dict`.
 
-    Works for both layouts at any world size: each rank reads (lazily, with ``safe_open``)
-    only the tensors of the params it owns now, and checks their dtype, shape and checksum.
+    Works for both layouts at any world size and under any partition rule, whatever the
+    rule that saved it: each rank reads (lazily, with ``safe_open``) only the tensors of the
+    params it owns now, and checks their dtype, shape and checksum. State stored as pieces
+    (``partition_rule="flat"``) is stitched for a param this rank holds whole; of a param
+    it holds a piece of (flat rule), only the stored elements of that piece are read (a
+    stored tensor larger than :data:`PARTIAL_READ_BYTES` needed in part is read with
+    ``get_slice``, which checks dtype and shape but not the checksum).
     Param groups are restored exactly (``betas`` stays a tuple, ints stay ints) and
     non-tensor state comes from JSON; nothing is unpickled. Everything is validated before
     the optimizer is touched; an error on any rank is raised on every rank.
@@ -60,9 +72,9 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     Raises:
         TypeError: ``optimizer`` is not an OSS.
         FileNotFoundError: no checkpoint at ``path``, or one of its files is missing.
-        ValueError: a truncated or corrupted file, an index of another format version, or a
-            checkpoint of a different model (count, shape or dtype mismatch); the message
-            names the file and the mismatch.
+        ValueError: a truncated or corrupted file, an index of another format version,
+            pieces that do not cover their tensor, or a checkpoint of a different model
+            (count, shape or dtype mismatch); the message names the file and the mismatch.
 
     Example:
         >>> load_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
@@ -80,7 +92,10 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
         per_element = per_element_keys(optimizer.optim)
         check_fits(index, shapes, dtypes, str(root / INDEX_FILE), per_element)
         _warn_other_optimizer(index, optimizer)
-        return index, read_states(root, index, optimizer.plan.owned(optimizer.rank))
+        pieces = {i: (start, end) for i, (start, end, _) in local_pieces(optimizer).items()}
+        shapes_by_index = [tuple(s) for group in shapes for s in group]
+        owned = optimizer.plan.owned(optimizer.rank)
+        return index, read_states(root, index, owned, pieces, shapes_by_index)
 
     index, states = _dist.run_phase(read, optimizer.group)
     _dist.run_phase(
@@ -104,13 +119,15 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Return the checkpoint at ``path`` as a plain ``torch.optim`` state dict.
 
     Needs no process group. The result equals the consolidated ``state_dict()`` of the
-    optimizer that saved it (dtypes included) and loads into a plain torch optimizer, an
+    optimizer that saved it (dtypes included; state saved as pieces is stitched into whole
+    tensors) and loads into a plain torch optimizer, an
     :class:`oss_plus.OSS`, fairscale's OSS or torch's ZeroRedundancyOptimizer. Every tensor
     is checksummed; nothing is unpickled.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` or a missing file.
-        ValueError: a truncated or corrupted file or an index of another format version.
+        ValueError: a truncated or corrupted file, an index of another format version, or
+            pieces that do not cover their tensor.
 
     Example:
         >>> torch_optimizer.load_state_dict(read_state_dict("ckpt/step_1000"))  # doctest: +SKIP
@@ -170,40 +187,117 @@ def check_files(path: Path, index: Index) -> None:
             )
 
 
-def read_states(path: Path, index: Index, indices: Iterable[int]) -> dict[int, dict[str, Any]]:
+#: A stored tensor of which a rank needs only some elements (a piece, under the flat rule)
+#: is read whole, and checksummed, up to this many bytes; a larger one is read in part
+#: (``get_slice``: only the rows that hold the elements), which checks its dtype and shape
+#: but cannot check its CRC-32.
+PARTIAL_READ_BYTES = 16 << 20
+#: Elements ``[lo, hi)`` of a stored tensor, flattened: what one read returns.
+_Request = tuple[TensorRef, int, int]
+
+
+def read_states(
+    path: Path,
+    index: Index,
+    indices: Iterable[int],
+    pieces: Mapping[int, tuple[int, int]] | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+) -> dict[int, dict[str, Any]]:
     """Read the state of the params ``indices`` only (lazy per-tensor reads, checksummed).
+
+    A param of ``pieces`` (flat index -> ``(start, end)``) is wanted as this rank's piece:
+    every state tensor shaped like the param (``shapes[i]``; stored whole or as pieces)
+    comes back as the 1-D slice of elements ``[start, end)``, read from the stored tensors
+    that overlap it, and every other value as it is. Any other param comes back whole, a
+    tensor stored as pieces stitched. A stored tensor read whole is checksummed; one read
+    in part (larger than :data:`PARTIAL_READ_BYTES`) is checked for dtype and shape only.
 
     Raises:
         ValueError: a file is unreadable, from another save, or a tensor differs from the
             index (dtype, shape, checksum). The message names the file and the tensor.
     """
     wanted = sorted(i for i in set(indices) if i in index.state)
-    by_file: dict[str, list[TensorRef]] = {}
-    for i in wanted:
-        for entry in index.state[i].values():
-            for ref in entry.tensors if isinstance(entry, NestedValue) else (entry,):
-                if isinstance(ref, TensorRef):
-                    by_file.setdefault(ref.file, []).append(ref)
-    tensors: dict[str, torch.Tensor] = {}
+    plans, by_file = _plan_reads(index, wanted, pieces or {}, shapes)
+    got: dict[tuple[str, str, int, int], torch.Tensor] = {}
     with torch.profiler.record_function("oss_plus::checkpoint_read"):
         for name, listed in by_file.items():
-            tensors.update(_read_file(path / name, listed, index.save_id, path / INDEX_FILE))
+            got.update(_read_file(path / name, listed, index.save_id, path / INDEX_FILE))
 
-    def value_of(entry: Any, where: str) -> Any:
-        if isinstance(entry, TensorRef):
-            return tensors[entry.name]
+    def value_of(i: int, key: str, entry: Any) -> Any:
+        if (i, key) in plans:
+            requests, shape = plans[(i, key)]
+            parts = [got[(r.file, r.name, lo, hi)] for r, lo, hi in requests]
+            return parts[0].reshape(shape) if len(parts) == 1 else torch.cat(parts).view(shape)
         if isinstance(entry, NestedValue):
-            return unflatten_value(entry.skeleton, [tensors[r.name] for r in entry.tensors], where)
+            tensors = [_whole(got, r) for r in entry.tensors]
+            return unflatten_value(entry.skeleton, tensors, f"state[{i}][{key!r}]")
         return copy.deepcopy(entry.value)
 
-    return {
-        i: {k: value_of(v, f"state[{i}][{k!r}]") for k, v in index.state[i].items()} for i in wanted
-    }
+    return {i: {k: value_of(i, k, v) for k, v in index.state[i].items()} for i in wanted}
+
+
+def _plan_reads(
+    index: Index,
+    wanted: Sequence[int],
+    pieces: Mapping[int, tuple[int, int]],
+    shapes: Sequence[Sequence[int]] | None,
+) -> tuple[
+    dict[tuple[int, str], tuple[list[_Request], tuple[int, ...]]], dict[str, list[_Request]]
+]:
+    """Per (flat index, key) the reads that make its tensor and the tensor's shape; and
+    every read (tensors inside nested values too) by file."""
+    plans: dict[tuple[int, str], tuple[list[_Request], tuple[int, ...]]] = {}
+    nested: list[_Request] = []
+    for i in wanted:
+        shape = tuple(shapes[i]) if shapes is not None else None
+        for key, entry in index.state[i].items():
+            if isinstance(entry, NestedValue):
+                nested.extend((ref, 0, _numel(ref.shape)) for ref in entry.tensors)
+            planned = _requests(entry, pieces.get(i), shape)
+            if planned is not None:
+                plans[(i, key)] = planned
+    by_file: dict[str, list[_Request]] = {}
+    for request in [r for requests, _ in plans.values() for r in requests] + nested:
+        by_file.setdefault(request[0].file, []).append(request)
+    return plans, by_file
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _whole(got: Mapping[tuple[str, str, int, int], torch.Tensor], ref: TensorRef) -> torch.Tensor:
+    return got[(ref.file, ref.name, 0, _numel(ref.shape))]
+
+
+def _requests(
+    entry: Any, piece: tuple[int, int] | None, shape: tuple[int, ...] | None
+) -> tuple[list[_Request], tuple[int, ...]] | None:
+    """The reads that make one state value, and the shape of the result (None: a plain
+    value, or a :class:`NestedValue`, whose tensors are read whole)."""
+    if isinstance(entry, TensorRef):
+        if piece is not None and entry.shape == shape:
+            return [(entry, *piece)], (piece[1] - piece[0],)
+        return [(entry, 0, _numel(entry.shape))], entry.shape
+    if not isinstance(entry, PiecesValue):
+        return None
+    if piece is None:
+        return [(ref, 0, b - a) for a, b, ref in entry.parts], entry.shape
+    start, end = piece
+    requests = [
+        (ref, max(start, a) - a, min(end, b) - a)
+        for a, b, ref in entry.parts
+        if a < end and start < b
+    ]
+    return requests, (end - start,)
 
 
 def _read_file(
-    file: Path, refs: list[TensorRef], save_id: str, index_file: Path
-) -> dict[str, torch.Tensor]:
+    file: Path, requests: list[_Request], save_id: str, index_file: Path
+) -> dict[tuple[str, str, int, int], torch.Tensor]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             found = (handle.metadata() or {}).get(SAVE_ID_KEY)
@@ -211,7 +305,10 @@ def _read_file(
                 raise ValueError(
                     OTHER_SAVE.format(file=file, found=found, index=index_file, expected=save_id)
                 )
-            return {ref.name: _read_tensor(handle, file, ref) for ref in refs}
+            return {
+                (ref.file, ref.name, lo, hi): _read_range(handle, file, ref, lo, hi)
+                for ref, lo, hi in requests
+            }
     except SafetensorError as exc:
         raise ValueError(
             f"{file}: not a readable safetensors file ({exc}): the file is truncated or corrupted; "
@@ -219,19 +316,43 @@ def _read_file(
         ) from None
 
 
-def _read_tensor(handle: Any, file: Path, ref: TensorRef) -> torch.Tensor:
+def _read_range(handle: Any, file: Path, ref: TensorRef, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a stored tensor (all of them: the tensor as stored), flattened."""
+    numel = _numel(ref.shape)
+    if (lo, hi) == (0, numel):
+        return _read_tensor(handle, file, ref)
+    if nbytes_of(ref.dtype, ref.shape) <= PARTIAL_READ_BYTES:
+        return _read_tensor(handle, file, ref).reshape(-1)[lo:hi].clone()
+    _check_name(handle, file, ref)
+    stored = handle.get_slice(ref.name)
+    _check_header(file, ref, stored.get_dtype(), tuple(stored.get_shape()))
+    row = numel // ref.shape[0]
+    first = lo // row
+    rows = stored[first : -(-hi // row)].reshape(-1)
+    return rows[lo - first * row : hi - first * row].clone()
+
+
+def _check_name(handle: Any, file: Path, ref: TensorRef) -> None:
     if ref.name not in handle.keys():  # noqa: SIM118 - a safe_open handle, not a dict
         raise ValueError(
             f"{file}: no tensor {ref.name!r}, which the index places in this file: the file does "
             "not match its index; restore it or re-save the checkpoint"
         )
-    tensor = handle.get_tensor(ref.name)
-    if tensor.dtype != torch_dtype(ref.dtype, ref.name) or tuple(tensor.shape) != ref.shape:
+
+
+def _check_header(file: Path, ref: TensorRef, dtype: str, shape: tuple[int, ...]) -> None:
+    if dtype != ref.dtype or shape != ref.shape:
         raise ValueError(
-            f"{file}: tensor {ref.name!r} is {dtype_name(tensor.dtype, ref.name)} "
-            f"{tuple(tensor.shape)} but the index records {ref.dtype} {ref.shape}: the file does "
-            "not match its index; restore it or re-save the checkpoint"
+            f"{file}: tensor {ref.name!r} is {dtype} {shape} but the index records "
+            f"{ref.dtype} {ref.shape}: the file does not match its index; restore it or "
+            "re-save the checkpoint"
         )
+
+
+def _read_tensor(handle: Any, file: Path, ref: TensorRef) -> torch.Tensor:
+    _check_name(handle, file, ref)
+    tensor = handle.get_tensor(ref.name)
+    _check_header(file, ref, dtype_name(tensor.dtype, ref.name), tuple(tensor.shape))
     crc = crc32_of(tensor)
     if crc != ref.crc32:
         raise ValueError(
@@ -290,7 +411,12 @@ def check_fits(
                 "first; to change precision use read_state_dict() and load_state_dict())"
             )
         for key, ref in index.state.get(i, {}).items():
-            if isinstance(ref, TensorRef):
+            if isinstance(ref, PiecesValue) and ref.shape != tuple(shape):
+                raise ValueError(
+                    f"{where}: state {i} key {key!r} is stored as pieces of a tensor of shape "
+                    f"{ref.shape}, but param {i} has shape {tuple(shape)}: {fix}"
+                )
+            if isinstance(ref, (TensorRef, PiecesValue)):
                 meta = torch.empty(ref.shape, device="meta")
                 message = state_shape_error(i, key, meta, shape, per_element)
                 if message:

@@ -36,6 +36,8 @@ from oss_plus.checkpoint.plan import (
     describe,
     file_header,
     layout_of,
+    local_pieces,
+    merge_entries,
     nbytes_of,
     replace_slots,
     split_state,
@@ -63,7 +65,10 @@ def save_checkpoint(
     """Save the optimizer state to the directory ``path``, atomically.
 
     With ``sharded=True`` every rank writes the state of the params it owns to its own
-    safetensors file, in parallel; no tensor travels between ranks. With ``sharded=False``
+    safetensors file, in parallel; no tensor travels between ranks. Under
+    ``partition_rule="flat"`` a rank writes, of a param cut into pieces, its own piece of
+    every state tensor (a ``pieces`` entry of format version 3; the ``step`` once, by the
+    rank holding the first piece). With ``sharded=False``
     group rank 0 writes one consolidated file while the other ranks stream their tensors to it
     in chunks of at most 16 MiB, so no rank holds more than that beyond its own shard. Rank 0
     writes ``index.json`` (param groups, shapes, dtypes, partition, non-tensor state).
@@ -135,7 +140,7 @@ def make_plan(
     made: dict[str, Any] = {"save_id": None}
 
     def prepare() -> None:
-        entries = split_state(optimizer.export_local_state())
+        entries = split_state(optimizer.export_local_state(), local_pieces(optimizer))
         index = describe(optimizer, layout_of(sharded), "")
         if snapshot is not None:  # the index must not see later changes to the groups
             entries, index = snapshot(entries), copy.deepcopy(index)
@@ -203,10 +208,8 @@ def _write_sharded(plan: SavePlan, group: Any) -> Index:
     if gathered is None:
         return plan.index
     files = {m["file"]: {"rank": m["rank"], "bytes": m["bytes"]} for m in gathered}
-    state: Entries = {}
-    for m in gathered:
-        state.update(decode_state(m["state"], "gathered metadata", files))
-    return replace(plan.index, files=files, state=dict(sorted(state.items())))
+    state = merge_entries([decode_state(m["state"], "gathered metadata", files) for m in gathered])
+    return replace(plan.index, files=files, state=state)
 
 
 def _write_consolidated(plan: SavePlan, group: Any) -> Index:
@@ -224,11 +227,12 @@ def _write_consolidated(plan: SavePlan, group: Any) -> Index:
         return plan.index
     files = {plan.file_name: {"rank": 0, "bytes": 0}}
     owner: dict[Slot, int] = {}
-    state: Entries = {}
+    per_rank: list[Entries] = []
     for r, data in enumerate(gathered):
         decoded = decode_state(data, "gathered metadata", files)
         owner.update({slot: r for slot, _, _ in tensor_slots(decoded)})
-        state.update(decoded)
+        per_rank.append(decoded)
+    state = merge_entries(per_rank)
     items = tensor_slots(state)
     size, crcs, error = _stream_to_file(plan, items, owner, group)
     remote = [iter(crcs_of_rank) for crcs_of_rank in comm.gather_json([], group) or []]
@@ -237,7 +241,7 @@ def _write_consolidated(plan: SavePlan, group: Any) -> Index:
     for position, (slot, _, ref) in enumerate(items):
         crc = crcs[position] if owner[slot] == 0 else next(remote[owner[slot]])
         checked[slot] = replace(ref, crc32=crc)
-    state = replace_slots(dict(sorted(state.items())), checked)
+    state = replace_slots(state, checked)
     return replace(plan.index, files={plan.file_name: {"rank": 0, "bytes": size}}, state=state)
 
 
