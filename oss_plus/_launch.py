@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from oss_plus import _dist
+
 #: Seconds a collective of :func:`run_local`'s ranks may wait before giving up (a hung peer).
 PG_TIMEOUT_S = 300.0
 
@@ -79,12 +81,30 @@ def _entry(
         torch.cuda.set_device(rank)
     init_local_group(rank, world, port, backend)
     try:
-        queue.put((rank, True, fn(rank, world, *args)))
+        result = fn(rank, world, *args)
     except Exception:  # noqa: BLE001 - shipped to the parent, re-raised there
         queue.put((rank, False, traceback.format_exc()))
         raise
+    else:
+        queue.put((rank, True, result))
+        if backend == "gloo":
+            _drain()
     finally:
         dist.destroy_process_group()
+
+
+def _drain() -> None:
+    """End a rank with one collective that returns only once gloo's workers let go of it.
+
+    ``fn``'s last collective may be one whose tensors gloo's worker drops after ``wait()``
+    returned (torch's own, or a plain ``dist.all_gather`` of the bench); if the process is
+    exiting by then, the drop takes the GIL and the process aborts ("terminate called
+    without an active exception", docs/reliability.md, "Process exit"). Earlier collectives
+    have completed on every rank before this one can, so their workers are done with them.
+    """
+    flag = torch.zeros(1)
+    with _dist.released(dist.group.WORLD, flag):
+        dist.all_reduce(flag)
 
 
 def run_local(

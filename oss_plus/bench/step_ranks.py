@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from oss_plus import _dist
 from oss_plus.bench.impls import IMPLS, Runner
 from oss_plus.bench.measure import (
     comm_device,
@@ -66,7 +67,9 @@ def _measure(
     comm = comm_device()  # NCCL takes no CPU tensor, gloo takes any
     mine = torch.tensor([float(runner.state_bytes()), float(syncs)], dtype=torch.float64)
     rows = [torch.zeros(2, dtype=torch.float64, device=comm) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine.to(comm))
+    mine = mine.to(comm)
+    with _dist.released(dist.group.WORLD, mine, *rows):  # may be a rank's last collective
+        dist.all_gather(rows, mine)
     gathered = torch.stack(rows).tolist()
     return {
         "times": times,
