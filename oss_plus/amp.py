@@ -111,9 +111,29 @@ class ShardedGradScaler(torch.amp.GradScaler):
         per_device: dict[torch.device, torch.Tensor] = {}
         try:
             per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            _unscale_pieces(optimizer, inv_scale, per_device)
         except (ValueError, AssertionError) as exc:
             error = exc
         found = sum(int(bool(flag.item())) for flag in per_device.values())
         with torch.profiler.record_function("oss_plus::found_inf_all_reduce"):
             found = max(_dist.agree(error, group, value=found))
         return {found_inf.device: torch.full_like(found_inf, float(found))}
+
+
+@torch.no_grad()
+def _unscale_pieces(
+    optimizer: Any, inv_scale: torch.Tensor, per_device: dict[torch.device, torch.Tensor]
+) -> None:
+    """Unscale and check the piece gradients an ``OSS`` was handed (the flat rule under
+    ZeRO-2: ``OSS.set_piece_grad``), which no param's ``.grad`` holds."""
+    pieces = getattr(optimizer, "piece_grads", None)
+    grads = list(pieces().values()) if callable(pieces) else []
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, tensors in by_device.items():
+        if device not in per_device:
+            per_device[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            tensors, per_device[device], inv_scale.to(device)
+        )

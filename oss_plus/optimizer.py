@@ -486,9 +486,41 @@ class OSS(ShardedStateDict, Optimizer):
             loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
         if pieces:
             self._targets.clear_grads()
+            self._targets.given.clear()  # consumed
         self._sync.sync(self.wire_dtype, error)  # raises on every rank if any rank failed
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
+
+    def set_piece_grad(self, index: int, grad: torch.Tensor | None) -> None:
+        """Hand over the gradient of this rank's piece of the split param ``index``.
+
+        For a param the plan splits (``plan.split``, the flat rule), the next
+        :meth:`clip_grad_norm` and :meth:`step` use ``grad`` (1-D, the piece's length, the
+        param's dtype and device) instead of the slice of the param's ``.grad``, so a rank
+        need not hold the whole gradient of a param it holds only a piece of (ZeRO-2:
+        :class:`oss_plus.ShardedDataParallel`). ``ShardedGradScaler`` unscales and checks it
+        like a ``.grad``. :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
+
+        Raises:
+            ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.
+        """
+        self._targets.give(index, grad)
+
+    def piece_grads(self) -> dict[int, torch.Tensor]:
+        """The gradients handed over with :meth:`set_piece_grad`, by flat index (a new dict)."""
+        return dict(self._targets.given)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; also drops (or zeroes) the gradients handed
+        over with :meth:`set_piece_grad`."""
+        super().zero_grad(set_to_none)
+        given = self._targets.given
+        if given:
+            if set_to_none:
+                given.clear()
+            else:
+                for grad in given.values():
+                    grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; params already placed keep their owner (and their state).

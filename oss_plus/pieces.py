@@ -185,6 +185,32 @@ class PieceTargets:
             if piece is not None:
                 self.pieces[i] = (piece.start, piece.end)
         self.tensors: dict[int, torch.Tensor] = {i: self._slice(i).detach() for i in self.pieces}
+        #: Gradients of pieces handed over directly (ZeRO-2), used instead of a slice of the
+        #: param's ``.grad`` until the step consumes them.
+        self.given: dict[int, torch.Tensor] = {}
+
+    def give(self, index: int, grad: torch.Tensor | None) -> None:
+        """Set (None: drop) the gradient of this rank's piece of param ``index``.
+
+        Raises:
+            ValueError: this rank holds no piece of ``index``, or ``grad`` is not a 1-D
+                tensor of the piece's length, dtype and device.
+        """
+        if index not in self.pieces:
+            raise ValueError(
+                f"param {index} is not split with a piece on rank {self.rank}: set its .grad"
+            )
+        if grad is None:
+            self.given.pop(index, None)
+            return
+        piece = self.tensors[index]
+        if grad.shape != piece.shape or grad.dtype != piece.dtype or grad.device != piece.device:
+            raise ValueError(
+                f"the gradient of the piece {self.pieces[index]} of param {index} must be a "
+                f"{piece.dtype} tensor of shape {tuple(piece.shape)} on {piece.device}, got "
+                f"{grad.dtype} {tuple(grad.shape)} on {grad.device}"
+            )
+        self.given[index] = grad
 
     def _slice(self, index: int) -> torch.Tensor:
         start, end = self.pieces[index]
@@ -201,12 +227,17 @@ class PieceTargets:
             tensor.data = self._slice(i)
 
     def set_grads(self) -> None:
-        """Give every piece tensor the matching slice of its param's gradient (a view).
+        """Give every piece tensor its gradient: one handed over (:meth:`give`), else the
+        matching slice of its param's gradient (a view).
 
         A non-contiguous gradient is made contiguous first, so that the slice is a view and
         in-place changes (clipping) reach the param's gradient.
         """
+        given = self.given
         for i, tensor in self.tensors.items():
+            if i in given:
+                tensor.grad = given[i]
+                continue
             param = self._params[i]
             grad = param.grad
             if grad is None:

@@ -1,9 +1,9 @@
 """ShardedDataParallel with the flat partition rule against DDP + the unsharded optimizer.
 
 A param the flat rule splits is reduced piece by piece: each rank holding a piece ends the
-backward with the sum in its range (zeros elsewhere); every other rank has no gradient for
-it. Bit-identical where the sum can be (1-2 ranks, the offset pair), within the summation
-order bound on 3-4 ranks (see tests/test_sdp.py).
+backward with the sum over its range only, handed to its optimizer (``set_piece_grad``);
+no rank keeps the param's ``.grad``. Bit-identical where the sum can be (1-2 ranks, the
+offset pair), within the summation order bound on 3-4 ranks (see tests/test_sdp.py).
 """
 
 from __future__ import annotations
@@ -22,22 +22,30 @@ EXACT = {"ws1", "ws2", "offset23"}
 
 
 def _grads_as_expected(ctx, sdp, opt, ddp):
-    """Per param: the owner of a whole param holds DDP's gradient; a piece holder holds
-    DDP's gradient in its range and zeros elsewhere; every other rank holds none."""
+    """Per param: the owner of a whole param holds DDP's gradient as ``.grad``; of a split
+    param no rank holds a ``.grad``, and each piece holder was handed DDP's gradient over
+    its range (``opt.piece_grads()``); every other rank holds nothing."""
     ok, exact, diff = True, True, 0.0
+    given = opt.piece_grads()
     for i, (p, q) in enumerate(zip(sdp.module.parameters(), ddp.module.parameters())):
         piece = opt.plan.piece(ctx.rank, i)
-        if piece is None or q.grad is None:
+        if i in opt.plan.split:
             ok &= p.grad is None
-            continue
-        if p.grad is None:
+            got = given.get(i)
+            if piece is None or q.grad is None:
+                ok &= got is None
+                continue
+            want = q.grad.reshape(-1)[piece.start : piece.end]
+        else:
+            ok &= i not in given
+            got = p.grad
+            if piece is None or q.grad is None:
+                ok &= got is None
+                continue
+            want = q.grad
+        if got is None:
             ok = False
             continue
-        want = q.grad.reshape(-1).clone()
-        if i in opt.plan.split:
-            want[: piece.start] = 0
-            want[piece.end :] = 0
-        got = p.grad.reshape(-1)
         exact &= torch.equal(got, want)
         diff = max(diff, float((got - want).abs().max()))
     return {"ok": ok, "exact": exact, "diff": diff}
@@ -126,3 +134,75 @@ def test_flat_rule_with_a_bf16_reduction_matches_ddps_compress_hook(pool, collec
 def test_flat_rule_follows_freezing_and_unfreezing(pool, world):
     world_id = WORLD_IDS[WORLDS.index(world)]
     _assert(pool.run(flat_task, 2**23, "reduce", freeze_at=1, steps=5, **world), world_id)
+
+
+def amp_task(ctx, inf_step=2):
+    """ShardedGradScaler over SDP + the flat rule against torch's GradScaler over DDP + plain
+    Adam: the piece gradients handed over are unscaled and checked like .grad; an inf on
+    one rank at ``inf_step`` makes every rank skip."""
+    from oss_plus import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01,
+              partition_rule="flat")  # fmt: skip
+    sdp = ShardedDataParallel(model, opt, ctx.group)
+    ddp = DDP(ref, process_group=ctx.group)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**12)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    exact = []
+    for step in range(4):
+        x = batch(step, ctx.rank)
+        if step == inf_step and ctx.rank == 0:
+            x[0, 0] = float("inf")
+        for net, o, s in ((sdp, opt, scaler), (ddp, ref_opt, ref_scaler)):
+            o.zero_grad()
+            s.scale(net(x).pow(2).mean()).backward()
+            s.step(o)
+            s.update()
+        exact.append(torch.equal(flat(sdp.module), flat(ddp.module)))
+    return {"exact": exact, "scales": (scaler.get_scale(), ref_scaler.get_scale()),
+            "split": len(opt.plan.split), "left": len(opt.piece_grads())}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[4]], ids=["ws2", "offset23"])
+def test_sharded_grad_scaler_unscales_the_piece_gradients(pool, world):
+    for r in pool.run(amp_task, **world):
+        assert r["split"] > 0 and r["left"] == 0
+        assert all(r["exact"]), r["exact"]
+        assert r["scales"][0] == r["scales"][1] < 2.0**12  # the inf step was skipped
+
+
+def piece_grad_task(ctx):
+    torch.manual_seed(0)
+    model = Net()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1,
+              partition_rule="flat")  # fmt: skip
+    index = min(opt.plan.split)
+    piece = opt.plan.piece(ctx.rank, index)
+    errors = []
+    for grad in (torch.zeros(3), torch.zeros(piece.numel, dtype=torch.float64)):
+        try:
+            opt.set_piece_grad(index, grad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    whole = next(i for i in range(opt.plan.num_params) if i not in opt.plan.split)
+    try:
+        opt.set_piece_grad(whole, torch.zeros(1))
+    except ValueError as exc:
+        errors.append(str(exc))
+    opt.set_piece_grad(index, torch.ones(piece.numel))
+    kept = len(opt.piece_grads())
+    opt.zero_grad()
+    return {"errors": errors, "kept": kept, "after_zero_grad": len(opt.piece_grads())}
+
+
+def test_set_piece_grad_checks_its_input_and_zero_grad_drops_it(pool):
+    for r in pool.run(piece_grad_task, world_size=2):
+        assert len(r["errors"]) == 3
+        assert "must be a torch.float32 tensor of shape" in r["errors"][0]
+        assert "got torch.float64" in r["errors"][1]
+        assert "is not split with a piece on rank" in r["errors"][2]
+        assert r["kept"] == 1 and r["after_zero_grad"] == 0

@@ -74,6 +74,9 @@ class GradReducer:
         record: record the order the first backward produces the gradients in.
         find_unused: all-reduce the used flags, so a param without a gradient on every rank
             keeps ``grad=None`` (else it gets the zero sum).
+        give_piece: receives ``(param index, gradient of this rank's piece or None)`` for a
+            param of a split bucket this rank holds a piece of (its ``.grad`` is dropped on
+            every rank: a holder keeps only its range).
 
     .. warning:: Collective: every rank of ``group`` must run the same backward passes.
     """
@@ -87,12 +90,14 @@ class GradReducer:
         collective: str = "reduce",
         record: bool = False,
         find_unused: bool = True,
+        give_piece: Callable[[int, torch.Tensor | None], None] | None = None,
     ) -> None:
         self.params = list(params)
         self.plan = plan
         self.group = group
         self.collective = collective
         self.find_unused = find_unused
+        self._give_piece = give_piece
         self._buckets = Buckets(self.params, plan, group, wire, collective)
         self._bucket_of = [0] * len(self.params)
         self._slot_of = [0] * len(self.params)
@@ -131,6 +136,7 @@ class GradReducer:
         self._fired = bytearray(len(self.params))  # 1: has a gradient in this reduction
         self._unused: dict[int, list[int]] = {}  # bucket -> slots with no local gradient
         self._deferred: list[tuple[int, torch.Tensor]] = []  # owned, unused: (index, sum)
+        self._deferred_pieces: list[tuple[int, torch.Tensor]] = []  # (index, piece's sum)
 
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
@@ -213,7 +219,7 @@ class GradReducer:
         b, slot = self._bucket_of[index], self._slot_of[index]
         views = buckets.views[b]
         view = None if views is None else views[slot]
-        owned = buckets.owned[b]
+        owned = buckets.owned[b] and not self.plan.buckets[b].pieces  # keeps the whole grad
 
         def staging_hook(param: torch.Tensor) -> None:  # copied into a transient bucket
             if reducer._state is not _RUNNING and not reducer._begin():
@@ -259,8 +265,14 @@ class GradReducer:
         """Owner of transient buckets: widen the sums into its grads (unused: deferred)."""
         for b, sums in self._buckets.results:
             pieces = self.plan.buckets[b].pieces
-            if pieces:  # a split param: keep the sum in this rank's piece, zeros elsewhere
-                _keep_own(sums[0], pieces, self._buckets.rank)
+            if pieces:  # a split param: hand the sum of this rank's piece over
+                index = self.plan.buckets[b].members[0]
+                mine = self._own_piece(index, sums[0], pieces)
+                if 0 in self._unused.get(b, ()):
+                    self._deferred_pieces.append((index, mine))
+                else:
+                    self._hand_over(index, mine)
+                continue
             unused = self._unused.get(b, ())
             grads, values = [], []
             for slot, (param, value) in enumerate(zip(self._buckets.members[b], sums)):
@@ -291,7 +303,8 @@ class GradReducer:
                     continue
                 self._fired[index] = 1  # accumulated earlier (no_sync): counts as used
                 if views is None:
-                    _stage(self._buckets.staged(b)[slot], param, self._buckets.owned[b])
+                    keep = self._buckets.owned[b] and not self.plan.buckets[b].pieces
+                    _stage(self._buckets.staged(b)[slot], param, keep)
                 elif param.grad is not views[slot]:
                     views[slot].copy_(param.grad)
                     param.grad = views[slot]
@@ -323,6 +336,22 @@ class GradReducer:
             param = self.params[index]
             used = anywhere is None or anywhere[index]
             param.grad = reduced.to(param.dtype, copy=True) if used else None
+        for index, piece in self._deferred_pieces:
+            self._hand_over(index, piece if anywhere is None or anywhere[index] else None)
+
+    def _own_piece(
+        self, index: int, value: torch.Tensor, pieces: Sequence[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """This rank's range of a split param's reduced gradient, as a new tensor of the
+        param's dtype (the bucket's buffer is released)."""
+        rank = self._buckets.rank
+        start, end = next((a, b) for a, b, owner in pieces if owner == rank)
+        dtype = self.params[index].dtype
+        return value.reshape(-1)[start:end].to(dtype, copy=True)
+
+    def _hand_over(self, index: int, piece: torch.Tensor | None) -> None:
+        assert self._give_piece is not None, "a split bucket needs give_piece"
+        self._give_piece(index, piece)
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, settle unused."""
@@ -340,7 +369,7 @@ class GradReducer:
                     self._settle_unused(flags[0].tolist())  # the one host read, only then
             elif any(buckets.owned[b] for b in self._unused):
                 self._settle_unused(None)
-            self._unused, self._deferred = {}, []
+            self._unused, self._deferred, self._deferred_pieces = {}, [], []
             self._zeroed = bytearray(len(self.params))
             if self._recorders and self._seen:  # the first reducing backward: keep its order
                 self.observed = list(dict.fromkeys(self._seen))
@@ -359,13 +388,3 @@ def _stage(out: torch.Tensor, param: torch.Tensor, owned: bool) -> None:
     out.copy_(grad.detach() if grad.requires_grad else grad)
     if not owned:
         param.grad = None  # copied: free it now
-
-
-@torch.no_grad()
-def _keep_own(value: torch.Tensor, pieces: Sequence[tuple[int, int, int]], rank: int) -> None:
-    """Zero ``value`` (a split param's reduced gradient) outside ``rank``'s piece: those
-    elements were reduced to the other pieces' owners and hold no sum here."""
-    flat = value.view(-1)
-    for start, end, owner in pieces:
-        if owner != rank:
-            flat[start:end].zero_()

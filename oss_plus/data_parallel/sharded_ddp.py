@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -362,6 +362,24 @@ class ShardedDataParallel(nn.Module):
         ]
         return trainable, plan_buckets(specs, self.reduce_buffer_size, order)
 
+    def _piece_receiver(
+        self, trainable: list[torch.Tensor]
+    ) -> Callable[[int, torch.Tensor | None], None]:
+        """Route the reduced piece of a split param (flat rule) to its optimizer's
+        ``set_piece_grad``; ``trainable`` is indexed like the reducer's params."""
+        where: dict[int, tuple[OSS, int]] = {}
+        for optimizer in self._optimizers:
+            params = optimizer.flat_params()
+            for index in optimizer.plan.split:
+                where[id(params[index])] = (optimizer, index)
+        route = {k: where[id(p)] for k, p in enumerate(trainable) if id(p) in where}
+
+        def give(k: int, grad: torch.Tensor | None) -> None:
+            optimizer, index = route[k]
+            optimizer.set_piece_grad(index, grad)
+
+        return give
+
     def _replan(self, order: list[int] | None = None) -> None:
         """Rebuild the reduce plan and hooks from the optimizers' current partition (buckets
         in ``order``; without one, the next backward's order is recorded and followed)."""
@@ -376,6 +394,7 @@ class ShardedDataParallel(nn.Module):
             self.collective,
             order is None,
             self.find_unused_parameters,
+            self._piece_receiver(trainable),
         )
         self._module_buffers = list(self.module.buffers())
         self._submodules = list(self.module.modules())
