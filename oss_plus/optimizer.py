@@ -35,6 +35,14 @@ from oss_plus.sync import BucketSync, build_sync
 
 __all__ = ["NOT_CONSOLIDATED", "OSS"]
 
+#: Raised on every rank by a repartition when the ranks hold different shard plans.
+PLANS_DIFFER = (
+    "the ranks hold different shard plans (ranks with equal plans: {ranks}), so their state "
+    "and buckets would not match: every rank must repartition with the same plan. A "
+    "requires_grad change made on some ranks only gives different plans: freeze or unfreeze "
+    "the same params on every rank"
+)
+
 logger = logging.getLogger(__name__)
 
 #: Reads ``requires_grad`` at C speed when mapped over the params (no Python frame per param).
@@ -219,13 +227,28 @@ class OSS(ShardedStateDict, Optimizer):
         plan's owners (the overlap with DDP assigns params by DDP bucket).
 
         Raises:
-            ValueError: ``plan`` does not fit the param groups or the world size.
+            ValueError: ``plan`` does not fit the param groups or the world size, or the
+                ranks hold different plans (e.g. ``requires_grad`` changed on some ranks
+                only); raised on every rank, before any state moves.
 
         .. warning:: Collective: call on every rank of ``group`` with the same plan.
         """
         if plan is None:
             plan = self._make_plan()
-        plan.check_fits([len(g["params"]) for g in self.param_groups], self.world_size)
+        error: Exception | None = None
+        try:
+            plan.check_fits([len(g["params"]) for g in self.param_groups], self.world_size)
+        except ValueError as exc:
+            error = exc
+        if self.world_size > 1:  # one small all_gather: a repartition is never per step
+            prints = _dist.agree(error, self.group, value=0 if error else plan.fingerprint())
+            if len(set(prints)) > 1:
+                groups: dict[int, list[int]] = {}
+                for rank, value in enumerate(prints):
+                    groups.setdefault(value, []).append(rank)
+                raise ValueError(PLANS_DIFFER.format(ranks=list(groups.values())))
+        elif error is not None:
+            raise error
         self._pinned = pin or self._pinned
         copy_hyper(self.param_groups, self.optim.param_groups)
         old, self._plan = self._plan, plan

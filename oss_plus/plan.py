@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -234,6 +235,14 @@ class ShardPlan:
     def pieces_of(self, index: int) -> list[Piece]:
         """Return the pieces of param ``index``, in order."""
         return list(self.by_index.get(index, ()))
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the plan, equal on every process for equal plans (not Python's
+        ``hash``, which varies between processes for the rule's string)."""
+        pieces = tuple((p.index, p.start, p.end, p.owner) for p in self.pieces)
+        fields = (self.world_size, self.rule.value, self.group_sizes, self.owners, self.local)
+        text = repr((*fields, self.numels, self.trainable, pieces))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     def rank_loads(self) -> list[int]:
         """Return the number of trainable elements every rank owns (its optimizer state).

@@ -349,3 +349,30 @@ def test_reallocated_params_are_followed(pool, world, kind):
     for r in pool.run(realloc_task, kind, **world):
         assert all(r["exact"]), r["exact"]
         assert r["recut"] == (kind == "double")
+
+
+def diverged_task(ctx, rule):
+    """requires_grad changed on rank 0 only, then refresh_trainable() on every rank: the
+    ranks plan differently, and the repartition raises on every rank before any state moves
+    (it used to exchange state by mismatched plans). At a step with auto_refresh the ranks
+    would not even agree to repartition: that stays the user's contract (freeze everywhere).
+    """
+    from helpers import catch
+
+    model = make_model(depth=4)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01,
+              partition_rule=rule, auto_refresh=False)  # fmt: skip
+    train_in_lockstep(model, opt, clone_model(model), torch.optim.Adam(
+        clone_model(model).parameters(), lr=0.01), 1)  # fmt: skip
+    if ctx.rank == 0:
+        model[0].weight.requires_grad_(False)
+    return catch(opt.refresh_trainable)
+
+
+@pytest.mark.parametrize("rule", ["flat", "fairscale"])
+def test_plans_that_differ_between_ranks_raise_on_every_rank(pool, rule):
+    for status, message in pool.run(diverged_task, rule, world_size=2):
+        assert status == "ValueError", (status, message)
+        assert (
+            "the ranks hold different shard plans (ranks with equal plans: [[0], [1]])" in message
+        )
