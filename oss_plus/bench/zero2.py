@@ -35,10 +35,16 @@ import torch.distributed as dist
 
 from oss_plus._launch import pick_backend, run_local
 
-CONFIGS = ("oss_plus_sdp", "oss_plus_sdp_no_unused", "ddp_oss", "fairscale_sdp")
+CONFIGS = (
+    "oss_plus_sdp",
+    "oss_plus_sdp_no_unused",
+    "oss_plus_sdp_flat",
+    "ddp_oss",
+    "fairscale_sdp",
+)
 #: Also accepted by --configs: oss_plus's SDP forced to one collective. A ``_no_unused``
 #: suffix means ``find_unused_parameters=False`` (like DDP's default, and fairscale's SDP,
-#: which sends no used flags).
+#: which sends no used flags); ``_flat``, an optimizer with ``partition_rule="flat"``.
 EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
@@ -77,10 +83,11 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
     if config.startswith("oss_plus_sdp"):
         from oss_plus import OSS, ShardedDataParallel
 
-        find_unused = not config.endswith("_no_unused")
-        name = config.removesuffix("_no_unused")
+        find_unused = "_no_unused" not in config
+        rule = "flat" if "_flat" in config else None
+        name = config.replace("_no_unused", "").replace("_flat", "")
         collective = name.removeprefix("oss_plus_sdp").lstrip("_") or "auto"
-        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
+        opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, partition_rule=rule, **adam)
         sdp = ShardedDataParallel(
             model,
             opt,
