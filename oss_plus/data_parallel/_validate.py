@@ -12,9 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from oss_plus._layout import alignment
+from oss_plus.data_parallel.flat import cut_param, key_layout
+from oss_plus.data_parallel.plan import FlatKey
 from oss_plus.optimizer import OSS
+from oss_plus.partition import Rule
 
 __all__ = [
+    "FLAT_LAYOUT",
     "MISSING_PARAMS",
     "MIXED_DEVICE_TYPES",
     "MODULE_MOVED",
@@ -22,6 +27,7 @@ __all__ = [
     "OTHER_GROUP",
     "SHARED_PARAM",
     "check_optimizers",
+    "flat_keys",
     "owners_of",
 ]
 
@@ -51,6 +57,12 @@ SHARED_PARAM = (
 MIXED_DEVICE_TYPES = (
     "ShardedDataParallel: the module's params must be on one device type, got {types}; "
     "move the whole module with module.to(device) before wrapping it"
+)
+#: Raised when a flat-rule optimizer's pieces do not follow the layout of its params.
+FLAT_LAYOUT = (
+    "ShardedDataParallel: the flat-rule optimizer cut param {index} into {given}, but its "
+    "current layout cuts it into {cut}: the params changed (dtype, device, trainability) "
+    "and the optimizer has not followed yet. Call refresh_trainable() on the wrapper"
 )
 #: Raised at forward when a param changed device after wrapping.
 MODULE_MOVED = (
@@ -106,12 +118,37 @@ def owners_of(
     return owners
 
 
-def pieces_of(optimizers: Sequence[OSS]) -> dict[torch.Tensor, tuple[tuple[int, int, int], ...]]:
-    """Map every param an optimizer's plan splits (flat rule) to ``(start, end, owner)`` of
-    its pieces, read from the public plan."""
-    pieces: dict[torch.Tensor, tuple[tuple[int, int, int], ...]] = {}
+def flat_keys(optimizers: Sequence[OSS], trainable: Sequence[torch.Tensor]) -> list[FlatKey]:
+    """The gradient buffers of the optimizers with the flat rule, read from their public
+    plan: per (device, dtype) key, the positions in ``trainable`` of its params and their
+    offsets, laid out as the rule cut them.
+
+    Raises:
+        ValueError: the plan's pieces do not follow the layout (:data:`FLAT_LAYOUT`): the
+            optimizer has not followed a change of the params yet.
+    """
+    position = {id(p): k for k, p in enumerate(trainable)}
+    keys = []
     for optimizer in optimizers:
         plan, params = optimizer.plan, optimizer.flat_params()
-        for index in sorted(plan.split):
-            pieces[params[index]] = tuple((p.start, p.end, p.owner) for p in plan.by_index[index])
-    return pieces
+        if plan.rule is not Rule.FLAT:
+            continue
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, param in enumerate(params):
+            if plan.trainable[index]:
+                by_key.setdefault((param.device, param.dtype), []).append(index)
+        for (device, dtype), members in by_key.items():
+            align = alignment(device, dtype) if optimizer.policy.aligned else 1
+            numels = [plan.numels[i] for i in members]
+            offsets, region = key_layout(numels, align, plan.world_size)
+            if not region:
+                continue
+            for index, offset, numel in zip(members, offsets, numels):
+                cut = cut_param(offset, numel, region)
+                given = [(p.start, p.end, p.owner) for p in plan.by_index[index]]
+                if numel and cut != given:
+                    raise ValueError(FLAT_LAYOUT.format(index=index, given=given, cut=cut))
+            inside = [(position[id(params[i])], o) for i, o in zip(members, offsets)
+                      if id(params[i]) in position]  # fmt: skip
+            keys.append(FlatKey(tuple(k for k, _ in inside), tuple(o for _, o in inside), region))
+    return keys

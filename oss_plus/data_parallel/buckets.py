@@ -14,15 +14,20 @@ Collectives (:func:`~oss_plus.data_parallel.plan.launch_groups`):
   segment padded to the group's largest bucket). Transient buckets are views of that input;
   a persistent bucket is copied into its segment at launch and receives the sum in place.
 
-A *split bucket* (a param the flat partition rule cut into pieces) is transient on every
-rank; at launch each piece's slice is sent with one ``dist.reduce`` to the piece's owner (on
-every backend: the pieces are of unequal size), and a rank holding a piece keeps the sum in
-its range (:meth:`Buckets.results`; the reducer zeroes the rest).
+A flat key's bucket (an optimizer with ``partition_rule="flat"``,
+:mod:`oss_plus.data_parallel.flat`) is a slice of one rank's range of the key's gradient
+buffer. Its owner keeps one persistent buffer per key over its range (allocated once): the
+bucket is a view of it, the whole params inside it have ``.grad`` as views of it, and a
+piece of a param cut by a range boundary is a view of it too (handed to the optimizer).
+Other ranks stage the slice in a transient buffer (zeroed where the layout pads between
+params). Each such bucket travels alone, with one ``dist.reduce`` to its owner.
 
 Groups launch strictly in plan order, each when all its buckets are full, so every rank
 issues the same collectives in the same order. At launch the buffer is scaled by
 ``1 / world_size`` (DDP's ``mul_out``; compressed: divided in the wire dtype, as DDP's
-compress hooks).
+compress hooks). On gloo every collective returns only after gloo's worker released its
+tensors (:func:`oss_plus._dist.await_release`: a reference dropped later could abort the
+process at exit, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -89,9 +94,10 @@ class Buckets:
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         buckets = plan.buckets
         self.members = [[params[i] for i in b.members] for b in buckets]
-        self.owned = [b.holds(self.rank) for b in buckets]
-        self._split = [bool(b.pieces) for b in buckets]
-        self._dst = [_dist.global_rank(group, b.owner) if b.owner >= 0 else -1 for b in buckets]
+        self.owned = [b.owner == self.rank for b in buckets]
+        self.flat = [b.base >= 0 for b in buckets]
+        self._gapped = [b.base >= 0 and sum(e - s for s, e in b.spans) < b.numel for b in buckets]
+        self._dst = [_dist.global_rank(group, b.owner) for b in buckets]
         self._dtype = [buffer_dtype(m[0].dtype, wire) for m in self.members]
         self._compressed = [d != m[0].dtype for d, m in zip(self._dtype, self.members)]
         self._scatter = collective == "reduce_scatter"
@@ -104,21 +110,54 @@ class Buckets:
         #: Persistent buckets: the flat buffer and the views that are their params' grads.
         self.flats: list[torch.Tensor | None] = [None] * len(buckets)
         self.views: list[list[torch.Tensor] | None] = [None] * len(buckets)
+        #: Owned flat-key buckets: views of the owner's range buffer, shaped like the members
+        #: (a piece 1-D), where the sums land (compressed: copied there at completion).
+        self.receive: list[list[torch.Tensor] | None] = [None] * len(buckets)
         self._allocate_persistent()
         self.reset()
 
     @torch.no_grad()
     def _allocate_persistent(self) -> None:
+        ranges: dict[Any, torch.Tensor] = {}
         for b, bucket in enumerate(self.plan.buckets):
             members = self.members[b]
-            if not self.owned[b] or self._compressed[b] or self._split[b]:
+            if not self.owned[b]:
                 continue
-            if not all(p.is_contiguous() for p in members):
+            if self.flat[b]:
+                key = (members[0].dtype, members[0].device)
+                if key not in ranges:
+                    size = max(
+                        c.base + c.numel
+                        for c, m in zip(self.plan.buckets, self.members)
+                        if c.base >= 0
+                        and c.owner == self.rank
+                        and m[0].dtype == key[0]
+                        and m[0].device == key[1]
+                    )
+                    ranges[key] = torch.zeros(size, dtype=key[0], device=key[1])
+                flat = ranges[key][bucket.base : bucket.base + bucket.numel]
+                self.receive[b] = self.member_views(b, flat)
+                if not self._compressed[b]:
+                    self.flats[b], self.views[b] = flat, self.receive[b]
+                continue
+            if self._compressed[b] or not all(p.is_contiguous() for p in members):
                 continue  # a view could not honour the param's strides: copy instead
             size = self.groups[self._group_of[b]].segment if self._scatter else bucket.numel
             flat = torch.zeros(size, dtype=self._dtype[b], device=members[0].device)
             self.flats[b] = flat
-            self.views[b] = list(_unflatten(flat[: bucket.numel], members))
+            self.views[b] = self.member_views(b, flat)
+
+    def member_views(self, b: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` (bucket ``b``'s storage) shaped like its members; a member that
+        holds only a piece of its param (a flat key's) gets a 1-D view."""
+        bucket, members = self.plan.buckets[b], self.members[b]
+        if not self.flat[b]:
+            return list(_unflatten(flat[: bucket.numel], members))
+        views = []
+        for param, offset, (start, end) in zip(members, bucket.offsets, bucket.spans):
+            view = flat[offset : offset + end - start]
+            views.append(view.view(param.shape) if end - start == param.numel() else view)
+        return views
 
     def reset(self) -> None:
         """Forget the transient buffers and the launch state (a new reduction starts)."""
@@ -128,7 +167,7 @@ class Buckets:
         self._inputs: list[torch.Tensor | None] = [None] * len(self.groups)
         self._left = [len(g.buckets) for g in self.groups]
         self.next = 0  # the next group to launch
-        self._works: deque[tuple[int, Any, torch.Tensor | None]] = deque()
+        self._works: deque[tuple[int, Any, torch.Tensor | None, list[Any]]] = deque()
         #: Owned transient buckets whose sums arrived: (bucket, views shaped like members).
         self.results: list[tuple[int, list[torch.Tensor]]] = []
 
@@ -138,13 +177,15 @@ class Buckets:
         staged = self.open[b]
         if staged is None:
             flat = self._buffers[b] = self._segment(b)
-            staged = self.open[b] = list(_unflatten(flat, self.members[b]))
+            staged = self.open[b] = self.member_views(b, flat)
         return staged
 
     def _segment(self, b: int) -> torch.Tensor:
         """The flat storage of bucket ``b``: its own buffer, or its segment of the input."""
         numel, device = self.plan.buckets[b].numel, self.members[b][0].device
-        if not self._scatter or self._split[b]:
+        if self._gapped[b]:  # the padding between params travels too: zeros, not garbage
+            return torch.zeros(numel, dtype=self._dtype[b], device=device)
+        if not self._scatter or self.flat[b]:
             return torch.empty(numel, dtype=self._dtype[b], device=device)
         start = self.plan.buckets[b].owner * self.groups[self._group_of[b]].segment
         return self._input(self._group_of[b])[start : start + numel]
@@ -180,7 +221,7 @@ class Buckets:
     @torch.no_grad()
     def _launch(self, g: int) -> None:
         first = self.groups[g].buckets[0]
-        if self._scatter and not self._split[first]:
+        if self._scatter and not self.flat[first]:
             flat, target, out = self._scatter_buffers(g)
         else:
             if self.flats[first] is None:
@@ -193,24 +234,15 @@ class Buckets:
             flat.div_(self.world_size)
         else:
             flat.mul_(1.0 / self.world_size)
+        given = [flat] if target is flat else [flat, target]
+        counts = _dist.use_counts(given)
         with torch.profiler.record_function("oss_plus::sdp::reduce_bucket"):
-            if self._split[first]:
-                work = _AllOf(
-                    [
-                        dist.reduce(
-                            flat[start:end],
-                            dst=_dist.global_rank(self.group, owner),
-                            group=self.group,
-                            async_op=True,
-                        )
-                        for start, end, owner in self.plan.buckets[first].pieces
-                    ]
-                )
-            elif self._scatter:
+            if self._scatter and not self.flat[first]:
                 work = dist.reduce_scatter_tensor(target, flat, group=self.group, async_op=True)
             else:
                 work = dist.reduce(flat, dst=self._dst[first], group=self.group, async_op=True)
-        self._works.append((g, work, out))
+        self._works.append((g, work, out, [given, counts]))
+        del work  # held by the queue only: its completion waits for the release
         while self._works and self._works[0][1].is_completed():
             self.complete_oldest()  # release finished transient buffers early
 
@@ -235,9 +267,12 @@ class Buckets:
 
     # ----------------------------------------------------------------- completion
     def complete_oldest(self) -> None:
-        """Wait for the oldest collective; release its transient buffers; queue results."""
-        g, work, out = self._works.popleft()
+        """Wait for the oldest collective (and gloo's release of its tensors); release its
+        transient buffers; queue the results of owned transient buckets."""
+        g, work, out, (given, counts) = self._works.popleft()
         work.wait()
+        del work  # the work object holds the tensors too
+        _dist.await_release(given, counts, self.group)
         for b in self.groups[g].buckets:
             staged = self.open[b]
             self.open[b] = self._buffers[b] = None
@@ -247,6 +282,10 @@ class Buckets:
                 numel = self.plan.buckets[b].numel
                 staged = list(_unflatten(out[:numel], self.members[b]))
             assert staged is not None
+            receive = self.receive[b]
+            if receive is not None:  # a compressed flat bucket: widen into the range
+                torch._foreach_copy_(receive, staged)
+                staged = receive
             self.results.append((b, staged))
         self._inputs[g] = None
 
@@ -254,19 +293,3 @@ class Buckets:
         """Wait for every collective in flight."""
         while self._works:
             self.complete_oldest()
-
-
-class _AllOf:
-    """The works of a split bucket's per-piece reduces, waited for as one."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()

@@ -8,9 +8,10 @@ the collectives match: buckets are launched strictly in plan order.
 Rules:
 
 * a bucket holds params with the same owner, dtype and device;
-* a param split into pieces by the flat partition rule (:attr:`GradSpec.pieces`) travels
-  alone, in a *split bucket* (owner ``-1``): each piece's slice of the gradient is reduced
-  to that piece's owner;
+* the params of a flat key (an optimizer with ``partition_rule="flat"``, :class:`FlatKey`)
+  are bucketed by their layout instead: a bucket is a slice of the key's gradient buffer
+  inside one rank's range (:mod:`oss_plus.data_parallel.flat`), so a param cut by a range
+  boundary has its pieces in the buckets of their ranges (:attr:`Bucket.spans`);
 * params are taken in the order backward produces their gradients: as observed in a
   previous backward when given, else *reverse* registration order (DDP's first guess too),
   and a bucket is closed when the next param would take it past ``bucket_numel``
@@ -25,7 +26,17 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Bucket", "GradSpec", "LaunchGroup", "ReducePlan", "launch_groups", "plan_buckets"]
+from oss_plus.data_parallel.flat import cut_slices
+
+__all__ = [
+    "Bucket",
+    "FlatKey",
+    "GradSpec",
+    "LaunchGroup",
+    "ReducePlan",
+    "launch_groups",
+    "plan_buckets",
+]
 
 
 @dataclass(frozen=True)
@@ -36,14 +47,26 @@ class GradSpec:
         numel: element count.
         owner: group-local rank that owns the param (its optimizer state and its gradient).
         key: what must be equal for two params to share a flat buffer (dtype, device).
-        pieces: for a param split across ranks (flat partition rule), ``(start, end,
-            owner)`` of every piece of the flattened param; empty for a whole param.
     """
 
     numel: int
     owner: int
     key: Hashable
-    pieces: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FlatKey:
+    """The gradient buffer of one flat key (:mod:`oss_plus.data_parallel.flat`).
+
+    Attributes:
+        params: indices into the spec list, in the key's flat order.
+        offsets: each param's offset in the buffer.
+        region: the size of every rank's range.
+    """
+
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    region: int
 
 
 @dataclass(frozen=True)
@@ -51,23 +74,22 @@ class Bucket:
     """Params (indices into the spec list) reduced together to ``owner`` in one collective.
 
     Attributes:
-        owner: group-local rank receiving the sum (-1: a split bucket, see ``pieces``).
+        owner: group-local rank receiving the sum.
         members: indices of the params, in the order of their slices in the flat buffer.
         offsets: element offset of each member in the flat buffer.
         numel: total element count of the flat buffer.
-        pieces: of a split bucket (one param), ``(start, end, owner)`` of every piece: each
-            slice is reduced to its owner.
+        spans: of a flat key's bucket, ``(start, end)`` of the flattened param each member
+            holds here (a param cut by a range boundary is in several buckets); empty for
+            whole params.
+        base: of a flat key's bucket, its offset in the owner's range (-1: not flat).
     """
 
     owner: int
     members: tuple[int, ...]
     offsets: tuple[int, ...]
     numel: int
-    pieces: tuple[tuple[int, int, int], ...] = ()
-
-    def holds(self, rank: int) -> bool:
-        """Whether ``rank`` receives (part of) this bucket's sum."""
-        return self.owner == rank or any(owner == rank for _, _, owner in self.pieces)
+    spans: tuple[tuple[int, int], ...] = ()
+    base: int = -1
 
 
 @dataclass(frozen=True)
@@ -88,7 +110,10 @@ class ReducePlan:
 
 
 def plan_buckets(
-    specs: Sequence[GradSpec], bucket_numel: int, order: Sequence[int] | None = None
+    specs: Sequence[GradSpec],
+    bucket_numel: int,
+    order: Sequence[int] | None = None,
+    flat: Sequence[FlatKey] = (),
 ) -> ReducePlan:
     """Group ``specs`` into buckets of at most ``bucket_numel`` elements (see module doc).
 
@@ -98,9 +123,11 @@ def plan_buckets(
         order: the order in which backward produces the gradients (indices into ``specs``,
             as observed in a previous backward); params missing from it follow, in reverse
             registration order. Default: reverse registration order.
+        flat: the flat keys; their params are bucketed by their layout.
 
     Returns:
-        The plan; ``position[i]`` is ``(bucket index, slot index)`` of param ``i``.
+        The plan; ``position[i]`` is ``(bucket index, slot index)`` of param ``i`` (of a
+        param in several buckets, the first).
 
     Example:
         >>> specs = [GradSpec(1, 0, "f")] * 3
@@ -110,42 +137,69 @@ def plan_buckets(
     seen = set(order or ())
     ready = [*(order or ()), *(i for i in reversed(range(len(specs))) if i not in seen)]
     rank_of = {index: k for k, index in enumerate(ready)}
+    in_flat = {i for key in flat for i in key.params}
     open_: dict[tuple[int, Hashable], list[int]] = {}
-    closed: list[tuple[int, list[int]]] = []  # (position of the last member, members)
+    closed: list[tuple[int, Bucket]] = []  # (position of the last member, bucket)
     for index in ready:
-        spec = specs[index]
-        if spec.pieces:  # alone, completed by its own gradient
-            closed.append((rank_of[index], [index]))
+        if index in in_flat:
             continue
+        spec = specs[index]
         slot_key = (spec.owner, spec.key)
         members = open_.get(slot_key, [])
         size = sum(specs[i].numel for i in members)
         if members and (bucket_numel <= 0 or size + spec.numel > bucket_numel):
-            closed.append((max(rank_of[i] for i in members), members))
+            closed.append(_whole(members, specs, rank_of))
             members = []
         members.append(index)
         open_[slot_key] = members
-    closed.extend((max(rank_of[i] for i in m), m) for m in open_.values() if m)
+    closed.extend(_whole(m, specs, rank_of) for m in open_.values() if m)
+    closed.extend(_flat_buckets(flat, specs, bucket_numel, rank_of))
     closed.sort(key=lambda item: item[0])
-    buckets = []
+    buckets = tuple(bucket for _, bucket in closed)
     position: dict[int, tuple[int, int]] = {}
-    for b, (_, members) in enumerate(closed):
-        offsets, total = [], 0
-        for slot, index in enumerate(members):
-            offsets.append(total)
-            total += specs[index].numel
-            position[index] = (b, slot)
-        pieces = specs[members[0]].pieces
-        owner = -1 if pieces else specs[members[0]].owner
-        buckets.append(Bucket(owner, tuple(members), tuple(offsets), total, pieces))
-    return ReducePlan(tuple(buckets), position)
+    for b, bucket in enumerate(buckets):
+        for slot, index in enumerate(bucket.members):
+            position.setdefault(index, (b, slot))
+    return ReducePlan(buckets, position)
+
+
+def _whole(
+    members: list[int], specs: Sequence[GradSpec], rank_of: dict[int, int]
+) -> tuple[int, Bucket]:
+    offsets, total = [], 0
+    for index in members:
+        offsets.append(total)
+        total += specs[index].numel
+    bucket = Bucket(specs[members[0]].owner, tuple(members), tuple(offsets), total)
+    return max(rank_of[i] for i in members), bucket
+
+
+def _flat_buckets(
+    flat: Sequence[FlatKey],
+    specs: Sequence[GradSpec],
+    bucket_numel: int,
+    rank_of: dict[int, int],
+) -> list[tuple[int, Bucket]]:
+    out = []
+    for key in flat:
+        numels = [specs[i].numel for i in key.params]
+        for cut in cut_slices(key.params, numels, key.offsets, key.region, bucket_numel):
+            where = dict(zip(key.params, key.offsets))
+            members = tuple(i for i, _, _ in cut.members)
+            offsets = tuple(where[i] + start - cut.lo for i, start, _ in cut.members)
+            spans = tuple((start, end) for _, start, end in cut.members)
+            base = cut.lo - cut.owner * key.region
+            bucket = Bucket(cut.owner, members, offsets, cut.hi - cut.lo, spans, base)
+            out.append((max(rank_of[i] for i in members), bucket))
+    return out
 
 
 @dataclass(frozen=True)
 class LaunchGroup:
     """Buckets sent in one collective: one bucket (``dist.reduce`` to its owner), or up to
     one bucket per owner (``reduce_scatter_tensor``: segment ``r`` of the input holds rank
-    ``r``'s bucket, every segment padded to ``segment`` elements).
+    ``r``'s bucket, every segment padded to ``segment`` elements). A flat key's bucket is
+    always alone (its slice of the range is reduced in place).
 
     Attributes:
         buckets: bucket indices, in plan order.
@@ -160,8 +214,8 @@ def launch_groups(
     plan: ReducePlan, scatter: bool, keys: Sequence[Hashable] | None = None
 ) -> tuple[LaunchGroup, ...]:
     """Group consecutive buckets with distinct owners and equal keys (``scatter``, where
-    ``keys[b]`` is bucket ``b``'s dtype and device), or one bucket each. A split bucket is
-    always alone (its pieces are reduced one by one).
+    ``keys[b]`` is bucket ``b``'s dtype and device), or one bucket each. A flat key's
+    bucket is always alone.
 
     Groups keep the plan order, so launching them in order launches the buckets in order.
 
@@ -178,7 +232,7 @@ def launch_groups(
     current: list[int] = []
     for b, bucket in enumerate(plan.buckets):
         clash = any(plan.buckets[c].owner == bucket.owner for c in current)
-        split = bucket.pieces or (current and plan.buckets[current[0]].pieces)
+        split = bucket.base >= 0 or (current and plan.buckets[current[0]].base >= 0)
         if current and (clash or split or keys[current[0]] != keys[b]):
             groups.append(LaunchGroup(tuple(current), max(plan.buckets[c].numel for c in current)))
             current = []

@@ -1,23 +1,30 @@
 """Runs a :class:`~oss_plus.data_parallel.plan.ReducePlan` during backward.
 
 One :class:`GradReducer` per plan; its cost per iteration is one post-accumulate-grad hook
-call per param plus a few tensor ops per *bucket*, and it reads no tensor value on the host
-unless a rank owns a param that got no gradient on it (see "Unused params" below).
+call per param (:mod:`~oss_plus.data_parallel.hooks`) plus a few tensor ops per *bucket*,
+nothing per param at forward, and it reads no tensor value on the host unless a rank owns
+a param that got no gradient on it (see "Unused params" below).
 
 Buckets (:mod:`~oss_plus.data_parallel.buckets`): the params a rank owns have their
-``.grad`` as views of persistent flat buckets (nothing is copied when a gradient accumulates
-into them); other gradients are copied into transient buckets as they arrive and, on a rank
+``.grad`` as views of persistent flat buckets (a gradient accumulated into them is not
+copied); other gradients are copied into transient buckets as they arrive and, on a rank
 that does not own them, dropped at once (ZeRO-2). Buckets are sent in plan order, each as
 soon as it and every bucket before it are full, so every rank issues the same collectives.
 
 Unused params. At the end of backward (an autograd engine callback) a member whose hook
 did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Then (unless
 ``find_unused_parameters=False``) one small ``all_reduce`` (MAX) of per-param "had a
-gradient" bytes is launched, built from host-side
-bookkeeping (no device read). The owner reads its result on the host only for params it had
-no gradient for itself (a param it used is used somewhere): a param with no gradient on any
-rank keeps ``.grad = None`` on its owner, as DDP leaves globally unused params untouched.
-Every work handle is waited for before the callback returns; nothing outlives the iteration.
+gradient" bytes is launched, built from host-side bookkeeping (no device read). The owner
+reads the result on the host only for params it had no gradient for itself: a param with
+no gradient on any rank keeps ``.grad = None`` on its owner, as DDP leaves
+globally unused params untouched. Every work handle is waited for (and on gloo its release)
+before the callback returns; nothing outlives the iteration.
+
+Double backward. A gradient that requires grad (``backward(create_graph=True)``, or a
+``.grad`` that requires grad) is refused as fairscale refuses it: the backward that saw it
+raises :data:`GRAD_REQUIRES_GRAD` at its end, after every collective completed, on the
+ranks that saw it (every rank, when every rank runs the same code), and so does the next
+forward while such a gradient is still there.
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ from torch.autograd import Variable
 
 from oss_plus import _dist
 from oss_plus.data_parallel.buckets import Buckets
+from oss_plus.data_parallel.hooks import copy_pieces, make_hook
 from oss_plus.data_parallel.plan import ReducePlan
 
-__all__ = ["GradReducer", "NOTHING_TO_REDUCE", "SECOND_BACKWARD"]
+__all__ = ["GRAD_REQUIRES_GRAD", "GradReducer", "NOTHING_TO_REDUCE", "SECOND_BACKWARD"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,14 @@ NOTHING_TO_REDUCE = (
     "ShardedDataParallel.reduce(): no gradients are waiting to be reduced (no forward in "
     "training mode since the last reduction). Call it after a backward run inside no_sync()"
 )
+#: Raised (as fairscale's SDP does) for a gradient that requires grad: double backward.
+GRAD_REQUIRES_GRAD = (
+    "ShardedDataParallel only works with gradients that don't require grad: a param's .grad "
+    "requires grad (backward(create_graph=True), or a .grad that requires grad was set). "
+    "Gradients are reduced to their owners and dropped elsewhere, so their graph cannot "
+    "be kept (double backward is unsupported, as in fairscale). Drop such gradients "
+    "(zero_grad(set_to_none=True)) and call backward() without create_graph"
+)
 
 
 class _State(Enum):
@@ -57,9 +73,6 @@ class _State(Enum):
     ARMED = "armed"  # the next backward reduces
     RUNNING = "running"  # a backward is reducing
     DONE = "done"  # reduced; another backward before the next forward is an error
-
-
-_RUNNING = _State.RUNNING
 
 
 class GradReducer:
@@ -75,11 +88,13 @@ class GradReducer:
         find_unused: all-reduce the used flags, so a param without a gradient on every rank
             keeps ``grad=None`` (else it gets the zero sum).
         give_piece: receives ``(param index, gradient of this rank's piece or None)`` for a
-            param of a split bucket this rank holds a piece of (its ``.grad`` is dropped on
-            every rank: a holder keeps only its range).
+            param of a flat key cut by a range boundary that this rank holds a piece of
+            (its ``.grad`` is dropped on every rank: a holder keeps only its range).
 
     .. warning:: Collective: every rank of ``group`` must run the same backward passes.
     """
+
+    RUNNING = _State.RUNNING
 
     def __init__(
         self,
@@ -98,20 +113,26 @@ class GradReducer:
         self.collective = collective
         self.find_unused = find_unused
         self._give_piece = give_piece
-        self._buckets = Buckets(self.params, plan, group, wire, collective)
-        self._bucket_of = [0] * len(self.params)
-        self._slot_of = [0] * len(self.params)
+        self.buckets = Buckets(self.params, plan, group, wire, collective)
+        self._places: list[list[tuple[int, int]]] = [[] for _ in self.params]
         for b, bucket in enumerate(plan.buckets):
             for slot, index in enumerate(bucket.members):
-                self._bucket_of[index], self._slot_of[index] = b, slot
+                self._places[index].append((b, slot))
+        self._split = [k for k, places in enumerate(self._places) if len(places) > 1]
+        self._is_split = frozenset(self._split)
+        self._held = self._held_pieces()
         self._counts = [len(b.members) for b in plan.buckets]
-        self._persistent = [b for b, v in enumerate(self._buckets.views) if v is not None]
-        self._zeroed = bytearray(len(self.params))  # grads set by _preset, until reduced
-        self._state = _State.IDLE
+        #: Per param: 1 once its gradient is in a bucket in this reduction (reset in place).
+        self.fired = bytearray(len(self.params))
+        #: Per bucket: members still to come (reset in place).
+        self.left = list(self._counts)
+        #: A gradient that requires grad was seen (double backward): refused.
+        self.graph_grad = False
+        self.state = _State.IDLE
         self._pending = False
         self._reset()
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook_for(i))
+            p.register_post_accumulate_grad_hook(make_hook(self, i, self._places[i]))
             for i, p in enumerate(self.params)
         ]
         #: With ``record``: the order the first reducing backward produced the gradients in.
@@ -123,20 +144,29 @@ class GradReducer:
             if record
         ]
 
+    def _held_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """(param, view of this rank's range) of every cut param this rank holds a piece of."""
+        held = []
+        for index in self._split:
+            for b, slot in self._places[index]:
+                receive = self.buckets.receive[b]
+                if receive is not None:
+                    held.append((index, receive[slot]))
+        return held
+
     def _recorder_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def record(_: torch.Tensor) -> None:
-            if self._state is _RUNNING:
+            if self.state is _State.RUNNING:
                 self._seen.append(index)
 
         return record
 
     def _reset(self) -> None:
-        self._buckets.reset()
-        self._left = list(self._counts)
-        self._fired = bytearray(len(self.params))  # 1: has a gradient in this reduction
+        self.buckets.reset()
+        self.left[:] = self._counts
+        self.fired[:] = bytes(len(self.fired))
         self._unused: dict[int, list[int]] = {}  # bucket -> slots with no local gradient
         self._deferred: list[tuple[int, torch.Tensor]] = []  # owned, unused: (index, sum)
-        self._deferred_pieces: list[tuple[int, torch.Tensor]] = []  # (index, piece's sum)
 
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
@@ -147,42 +177,17 @@ class GradReducer:
     # ----------------------------------------------------------------- pass control
     def start_pass(self, reduce: bool) -> None:
         """Called at every forward: the next backward reduces iff ``reduce``."""
-        self._reset()
-        self._state = _State.ARMED if reduce else _State.IDLE
+        if self.state is not _State.IDLE or self._pending:
+            self._reset()
+        self.state = _State.ARMED if reduce else _State.IDLE
         self._pending = True
-        if reduce:
-            self._preset()
-        else:  # accumulating (no_sync): a zeroed view now gathers real gradients
-            self._zeroed = bytearray(len(self.params))
-
-    @torch.no_grad()
-    def _preset(self) -> None:
-        """Owned grads that are None become zeroed views of their bucket, so backward
-        accumulates into the bucket (in C++) and the hook copies nothing. Remembered in
-        ``_zeroed``: such a param that gets no gradient still counts as having none."""
-        buckets = self._buckets
-        for b in self._persistent:
-            members, views = buckets.members[b], buckets.views[b]
-            assert views is not None
-            empty = [slot for slot, p in enumerate(members) if p.grad is None]
-            if not empty:
-                continue
-            if len(empty) == len(members):
-                flat = buckets.flats[b]
-                assert flat is not None
-                flat.zero_()
-            for slot in empty:
-                if len(empty) < len(members):
-                    views[slot].zero_()
-                members[slot].grad = views[slot]
-                self._zeroed[self.plan.buckets[b].members[slot]] = 1
 
     def quiet(self) -> None:
         """Called at a forward that must not reduce (eval mode, no_grad): a backward through
         it leaves gradients local. A training forward still waiting for its backward stays
         armed."""
-        if self._state is _State.DONE:
-            self._state = _State.IDLE
+        if self.state is _State.DONE:
+            self.state = _State.IDLE
 
     @property
     def pending(self) -> bool:
@@ -197,194 +202,154 @@ class GradReducer:
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if not self._pending or self._state is _RUNNING:
+        if not self._pending or self.state is _State.RUNNING:
             raise RuntimeError(NOTHING_TO_REDUCE)
         self._reset()
         self._finish()
 
-    # ----------------------------------------------------------------- backward hooks
-    def _begin(self) -> bool:
+    def begin(self) -> bool:
         """First hook of a backward: start reducing if armed. Returns whether to reduce."""
-        if self._state is _State.IDLE:
+        if self.state is _State.IDLE:
             return False
-        if self._state is _State.DONE:
+        if self.state is _State.DONE:
             raise RuntimeError(SECOND_BACKWARD)
-        self._state = _RUNNING
+        self.state = _State.RUNNING
         Variable._execution_engine.queue_callback(self._finish)
         return True
 
-    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
-        """The hook of param ``index``: the only per-param Python work of an iteration."""
-        reducer, buckets = self, self._buckets
-        b, slot = self._bucket_of[index], self._slot_of[index]
-        views = buckets.views[b]
-        view = None if views is None else views[slot]
-        owned = buckets.owned[b] and not self.plan.buckets[b].pieces  # keeps the whole grad
-
-        def staging_hook(param: torch.Tensor) -> None:  # copied into a transient bucket
-            if reducer._state is not _RUNNING and not reducer._begin():
-                return
-            fired = reducer._fired
-            if fired[index]:
-                return
-            fired[index] = 1
-            grad: torch.Tensor = param.grad  # type: ignore[assignment]
-            (buckets.open[b] or buckets.staged(b))[slot].copy_(
-                grad.detach() if grad.requires_grad else grad
-            )
-            if not owned:
-                param.grad = None  # copied: free it now (ZeRO-2)
-            left = reducer._left
-            left[b] -= 1
-            if left[b] == 0:
-                buckets.bucket_full(b)
-
-        if view is None:
-            return staging_hook
-        bucket_view: torch.Tensor = view
-
-        def hook(param: torch.Tensor) -> None:  # an owned param: .grad is a bucket view
-            if reducer._state is not _RUNNING and not reducer._begin():
-                return
-            fired = reducer._fired
-            if fired[index]:
-                return  # a second gradient in the same backward (reentrant): already in
-            fired[index] = 1
-            grad: torch.Tensor = param.grad  # type: ignore[assignment]  # set: it fired
-            if grad is not bucket_view:
-                bucket_view.copy_(grad.detach() if grad.requires_grad else grad)  # create_graph
-                param.grad = bucket_view
-            left = reducer._left
-            left[b] -= 1
-            if left[b] == 0:
-                buckets.bucket_full(b)
-
-        return hook
-
+    # ----------------------------------------------------------------- end of backward
     def _take_results(self) -> None:
-        """Owner of transient buckets: widen the sums into its grads (unused: deferred)."""
-        for b, sums in self._buckets.results:
-            pieces = self.plan.buckets[b].pieces
-            if pieces:  # a split param: hand the sum of this rank's piece over
-                index = self.plan.buckets[b].members[0]
-                mine = self._own_piece(index, sums[0], pieces)
-                if 0 in self._unused.get(b, ()):
-                    self._deferred_pieces.append((index, mine))
-                else:
-                    self._hand_over(index, mine)
-                continue
+        """Owner of transient buckets: the sums into its grads (unused: deferred)."""
+        buckets = self.buckets
+        for b, sums in buckets.results:
             unused = self._unused.get(b, ())
+            members = self.plan.buckets[b].members
             grads, values = [], []
-            for slot, (param, value) in enumerate(zip(self._buckets.members[b], sums)):
+            for slot, (param, value) in enumerate(zip(buckets.members[b], sums)):
                 if slot in unused:
-                    self._deferred.append((self.plan.buckets[b].members[slot], value))
+                    self._deferred.append((members[slot], value))
+                elif buckets.flat[b]:
+                    if len(self._places[members[slot]]) == 1:  # whole: .grad is the view
+                        param.grad = value
                 elif param.grad is not None:
                     grads.append(param.grad)
                     values.append(value)
             if grads:
                 torch._foreach_copy_(grads, values)
-        self._buckets.results = []
+        buckets.results = []
 
     @torch.no_grad()
     def _fill_missing(self) -> None:
         """End of backward: complete the buckets whose hooks did not all fire."""
-        for b, left in enumerate(self._left):
+        for index in self._split:  # cut params first: their pieces are in several buckets
+            param = self.params[index]
+            if not self.fired[index] and param.grad is not None:  # accumulated (no_sync)
+                self.fired[index] = 1
+                places = self._places[index]
+                spans = [self.plan.buckets[b].spans[s] for b, s in places]
+                copy_pieces(self, param, places, spans)
+        buckets = self.buckets
+        for b, left in enumerate(self.left):
             if left == 0:
                 continue
-            views = self._buckets.views[b]
+            views = buckets.views[b]
             for slot, index in enumerate(self.plan.buckets[b].members):
-                if self._fired[index]:
+                if self.fired[index]:
                     continue
                 param = self.params[index]
-                preset = self._zeroed[index] and views is not None and param.grad is views[slot]
-                if param.grad is None or preset:
+                if param.grad is None or index in self._is_split:
                     self._unused.setdefault(b, []).append(slot)
-                    (views or self._buckets.staged(b))[slot].zero_()
+                    (views or buckets.open[b] or buckets.staged(b))[slot].zero_()
                     continue
-                self._fired[index] = 1  # accumulated earlier (no_sync): counts as used
+                self.fired[index] = 1  # accumulated earlier (no_sync): counts as used
                 if views is None:
-                    keep = self._buckets.owned[b] and not self.plan.buckets[b].pieces
-                    _stage(self._buckets.staged(b)[slot], param, keep)
+                    keep = buckets.owned[b] and not buckets.flat[b]
+                    _stage(buckets.open[b] or buckets.staged(b), slot, param, keep)
                 elif param.grad is not views[slot]:
                     views[slot].copy_(param.grad)
                     param.grad = views[slot]
-            self._left[b] = 0
-        self._buckets.mark_all_full()
+            self.left[b] = 0
+        buckets.mark_all_full()
 
-    def _launch_flags(self) -> tuple[torch.Tensor, Any] | None:
+    def _launch_flags(self) -> tuple[torch.Tensor, Any, list[int]] | None:
         """All-reduce (MAX) the per-param "had a gradient" bytes; no device value is read."""
         if not self.params:
             return None
-        used = torch.frombuffer(self._fired, dtype=torch.uint8)
+        used = torch.frombuffer(self.fired, dtype=torch.uint8)
         device = _dist.comm_device(self.group)
         used = used.clone() if device.type == "cpu" else used.to(device, non_blocking=True)
+        counts = _dist.use_counts([used])
         work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return used, work
+        return used, work, counts
 
     def _settle_unused(self, anywhere: list[int] | None) -> None:
         """Owner, for params it had no gradient for: a gradient iff some rank had one (with
         ``anywhere`` None, unknown: the sum, zeros if no rank had one, as fairscale)."""
         for b, slots in self._unused.items():
-            views = self._buckets.views[b]
-            if views is None or not self._buckets.owned[b]:
+            views = self.buckets.views[b]
+            if views is None or not self.buckets.owned[b]:
                 continue  # transient: in self._deferred
             for slot in slots:
                 index = self.plan.buckets[b].members[slot]
+                if index in self._is_split:
+                    continue  # handed over below
                 used = anywhere is None or anywhere[index]
                 self.params[index].grad = views[slot] if used else None
         for index, reduced in self._deferred:
+            if index in self._is_split:
+                continue
             param = self.params[index]
             used = anywhere is None or anywhere[index]
             param.grad = reduced.to(param.dtype, copy=True) if used else None
-        for index, piece in self._deferred_pieces:
-            self._hand_over(index, piece if anywhere is None or anywhere[index] else None)
 
-    def _own_piece(
-        self, index: int, value: torch.Tensor, pieces: Sequence[tuple[int, int, int]]
-    ) -> torch.Tensor:
-        """This rank's range of a split param's reduced gradient, as a new tensor of the
-        param's dtype (the bucket's buffer is released)."""
-        rank = self._buckets.rank
-        start, end = next((a, b) for a, b, owner in pieces if owner == rank)
-        dtype = self.params[index].dtype
-        return value.reshape(-1)[start:end].to(dtype, copy=True)
-
-    def _hand_over(self, index: int, piece: torch.Tensor | None) -> None:
-        assert self._give_piece is not None, "a split bucket needs give_piece"
-        self._give_piece(index, piece)
+    def _hand_pieces(self, anywhere: list[int] | None) -> None:
+        """Each cut param this rank holds a piece of: hand its range's sum to the optimizer
+        (None when no rank had a gradient for it)."""
+        if not self._held:
+            return
+        assert self._give_piece is not None, "a cut param needs give_piece"
+        for index, piece in self._held:
+            used = self.fired[index] or anywhere is None or anywhere[index]
+            self._give_piece(index, piece if used else None)
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, settle unused."""
         with torch.profiler.record_function("oss_plus::sdp::flush"):
-            buckets = self._buckets
+            buckets = self.buckets
             if buckets.next < len(buckets.groups):
                 self._fill_missing()
                 buckets.launch_ready()
             flags = self._launch_flags() if self.find_unused else None
             buckets.complete_all()
             self._take_results()
+            anywhere = None
             if flags is not None:
-                flags[1].wait()
-                if any(buckets.owned[b] for b in self._unused):
-                    self._settle_unused(flags[0].tolist())  # the one host read, only then
-            elif any(buckets.owned[b] for b in self._unused):
-                self._settle_unused(None)
-            self._unused, self._deferred, self._deferred_pieces = {}, [], []
-            self._zeroed = bytearray(len(self.params))
+                used, work, counts = flags
+                work.wait()
+                del work, flags  # the work object holds the flags too
+                _dist.await_release([used], counts, self.group)
+                held = any(not self.fired[i] for i, _ in self._held)
+                if held or any(buckets.owned[b] for b in self._unused):
+                    anywhere = used.tolist()  # the one host read, only then
+            self._settle_unused(anywhere)
+            self._hand_pieces(anywhere)
+            self._unused, self._deferred = {}, []
             if self._recorders and self._seen:  # the first reducing backward: keep its order
                 self.observed = list(dict.fromkeys(self._seen))
                 for handle in self._recorders:
                     handle.remove()
                 self._recorders = []
-            self._state = _State.DONE
+            self.state = _State.DONE
             self._pending = False
+            if self.graph_grad:
+                raise RuntimeError(GRAD_REQUIRES_GRAD)
 
 
-def _stage(out: torch.Tensor, param: torch.Tensor, owned: bool) -> None:
-    """Copy ``param``'s gradient into its slot ``out`` of a transient bucket; drop it unless
-    this rank owns it (then it receives the sum later)."""
+def _stage(staged: list[torch.Tensor], slot: int, param: torch.Tensor, keep: bool) -> None:
+    """Copy ``param``'s gradient into its slot of a transient bucket; drop it unless
+    this rank receives the sum into it."""
     grad = param.grad
     assert grad is not None
-    out.copy_(grad.detach() if grad.requires_grad else grad)
-    if not owned:
+    staged[slot].copy_(grad.detach() if grad.requires_grad else grad)
+    if not keep:
         param.grad = None  # copied: free it now

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
-from collections.abc import Callable, Iterator
-from itertools import chain
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,18 +25,14 @@ from oss_plus import _dist
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
-from oss_plus.data_parallel.plan import GradSpec, ReducePlan, plan_buckets
-from oss_plus.data_parallel.reducer import GradReducer
+from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD, GradReducer
+from oss_plus.data_parallel.wiring import Settings, Watch, build_reducer, plan_for
 from oss_plus.optimizer import OSS
+from oss_plus.partition import Rule
 
 __all__ = ["ShardedDataParallel"]
 
 logger = logging.getLogger(__name__)
-
-#: Read from every param at each forward (C-level passes): trainability, and the address of
-#: its data, which changes whenever ``module.to(...)`` / ``.double()`` replace it.
-_TRAINABLE = operator.attrgetter("requires_grad")
-_ADDRESS = torch.Tensor.data_ptr
 
 #: Logged (once per change) when trainability changes are detected at forward.
 TRAINABLE_CHANGED = (
@@ -131,7 +125,10 @@ class ShardedDataParallel(nn.Module):
             _validate.owners_of(self._optimizers, list(module.named_parameters()))
         except (TypeError, ValueError) as exc:
             error = exc
-        _dist.agree(error, self.process_group)
+        graph = _graph_grads(module)
+        #: A gradient that requires grad was there at construction on some rank: the first
+        #: forward raises on every rank (as fairscale's, which checks at its first forward).
+        self._refuse_at_forward = any(_dist.agree(error, self.process_group, value=int(graph)))
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -153,13 +150,15 @@ class ShardedDataParallel(nn.Module):
         self.output_device: int | None = None
         self._accumulate = False
         self._devices = [p.device for p in module.parameters()]
-        self._submodules: list[nn.Module] = []
-        self._registered_at_plan: list[Any] = []
-        self._params: list[torch.Tensor] = []
-        self._requires_grad: list[bool] = []
-        self._addresses: list[int] = []
-        self._plans: list[Any] = []
         self._module_buffers: list[torch.Tensor] = []
+        self._settings = Settings(
+            self.process_group,
+            reduce_buffer_size,
+            self._wire,
+            self.collective,
+            find_unused_parameters,
+        )
+        self._watch = Watch(module, self._optimizers)
         self._reducer: GradReducer | None = None
         if sync_models_at_startup:
             self._broadcast(list(module.state_dict().values()))
@@ -174,22 +173,27 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward that follows reduces each gradient to its owner.
 
-        Checks first, on every call: params moved to another device (error), trainability
-        changes (repartition, with ``auto_refresh_trainable``), a new partition of the
-        optimizer or new dtypes (re-plan). Buffers are broadcast from rank 0 like DDP.
+        Checks first: a new partition of the optimizer (re-plan; a few identity checks) and,
+        with ``auto_refresh_trainable``, in C-level passes over the params, params moved to
+        another device (error), trainability changes (repartition) or new dtypes
+        (re-plan). Buffers are broadcast from rank 0 like DDP.
 
         Raises:
             ValueError: a param changed device after wrapping.
+            RuntimeError: a param's ``.grad`` requires grad (double backward, refused as
+                fairscale refuses it; :data:`~oss_plus.data_parallel.reducer.GRAD_REQUIRES_GRAD`).
 
         .. warning:: Collective: call on every rank of ``process_group``.
         """
         with torch.profiler.record_function("oss_plus::sdp::forward"):
             self._refresh_if_changed()
-            if self._reducer is not None and self._reducer.observed is not None:
+            assert self._reducer is not None
+            if self._refuse_at_forward or self._reducer.graph_grad:
+                self._refuse_graph_grads()
+            if self._reducer.observed is not None:
                 self._follow_observed_order(self._reducer.observed)
             if self.broadcast_buffers and self._module_buffers:
                 self._broadcast(self._module_buffers)
-            assert self._reducer is not None
             if self.training and torch.is_grad_enabled():
                 self._reducer.start_pass(reduce=not self._accumulate)
             else:
@@ -304,34 +308,37 @@ class ShardedDataParallel(nn.Module):
                     _validate.MODULE_MOVED.format(name=name, before=before, after=param.device)
                 )
 
-    def _registered(self) -> list[Any]:
-        """Every entry of the submodules' parameter dicts, shared params repeated."""
-        return list(chain.from_iterable([m._parameters.values() for m in self._submodules]))
+    def _refuse_graph_grads(self) -> None:
+        """Raise while a gradient requires grad (checked only after one was seen)."""
+        assert self._reducer is not None
+        at_start, self._refuse_at_forward = self._refuse_at_forward, False
+        if at_start or _graph_grads(self.module):
+            raise RuntimeError(GRAD_REQUIRES_GRAD)
+        self._reducer.graph_grad = False
 
     def _refresh_if_changed(self) -> None:
-        """Re-plan when the params or the partition changed (C-level passes when not)."""
-        registered = self._registered()
-        trainable = list(map(_TRAINABLE, self._params))
-        plans = [o.plan for o in self._optimizers]
-        if (
-            len(registered) == len(self._registered_at_plan)
-            and all(map(operator.is_, registered, self._registered_at_plan))
-            and trainable == self._requires_grad
-            and list(map(_ADDRESS, self._params)) == self._addresses
-            and all(map(operator.is_, plans, self._plans))
-        ):
+        """Re-plan when the partition changed; with ``auto_refresh_trainable``, also when the
+        params changed (C-level passes; see :class:`~oss_plus.data_parallel.wiring.Watch`)."""
+        watch = self._watch
+        if not self.auto_refresh_trainable:
+            if watch.plans_changed():
+                logger.info("the optimizer's partition changed: re-planning")
+                self._replan()
+            return
+        if not watch.params_changed() and not watch.plans_changed():
             return
         self._check_devices()
-        if trainable != self._requires_grad:
-            if not self.auto_refresh_trainable:
-                self._replan()  # the user refreshes the optimizer; route what we see
-                return
+        if watch.trainability_changed():
             if self.warn_on_trainable_params_changed:
                 logger.warning(TRAINABLE_CHANGED)
             self.refresh_trainable()
-        else:
-            logger.info("the params or the optimizer's partition changed: re-planning")
-            self._replan()
+            return
+        if watch.addresses_changed():  # a dtype change moves the flat rule's cut
+            for optimizer in self._optimizers:
+                if optimizer.policy.rule is Rule.FLAT:
+                    optimizer.install_sync()
+        logger.info("the params or the optimizer's partition changed: re-planning")
+        self._replan()
 
     def _follow_observed_order(self, observed: list[int]) -> None:
         """Once after a (re)plan, as DDP's bucket rebuild: adopt the order in which rank 0's
@@ -347,59 +354,24 @@ class ShardedDataParallel(nn.Module):
         )
         agreed = [i for i in order.tolist() if i >= 0]
         self._reducer.observed = None
-        if self._plan_for(agreed)[1] != self._reducer.plan:
+        plan = plan_for(self.module, self._optimizers, self.reduce_buffer_size, agreed)[1]
+        if plan != self._reducer.plan:
             logger.info("re-planning the buckets in the order backward produced the gradients")
             self._replan(order=agreed)
-
-    def _plan_for(self, order: list[int] | None) -> tuple[list[torch.Tensor], ReducePlan]:
-        named = list(self.module.named_parameters())
-        owners = _validate.owners_of(self._optimizers, named)
-        pieces = _validate.pieces_of(self._optimizers)
-        trainable: list[torch.Tensor] = [p for _, p in named if p.requires_grad]
-        specs = [
-            GradSpec(p.numel(), owners[p], (p.dtype, p.device), pieces.get(p, ()))
-            for p in trainable
-        ]
-        return trainable, plan_buckets(specs, self.reduce_buffer_size, order)
-
-    def _piece_receiver(
-        self, trainable: list[torch.Tensor]
-    ) -> Callable[[int, torch.Tensor | None], None]:
-        """Route the reduced piece of a split param (flat rule) to its optimizer's
-        ``set_piece_grad``; ``trainable`` is indexed like the reducer's params."""
-        where: dict[int, tuple[OSS, int]] = {}
-        for optimizer in self._optimizers:
-            params = optimizer.flat_params()
-            for index in optimizer.plan.split:
-                where[id(params[index])] = (optimizer, index)
-        route = {k: where[id(p)] for k, p in enumerate(trainable) if id(p) in where}
-
-        def give(k: int, grad: torch.Tensor | None) -> None:
-            optimizer, index = route[k]
-            optimizer.set_piece_grad(index, grad)
-
-        return give
 
     def _replan(self, order: list[int] | None = None) -> None:
         """Rebuild the reduce plan and hooks from the optimizers' current partition (buckets
         in ``order``; without one, the next backward's order is recorded and followed)."""
-        trainable, plan = self._plan_for(order)
         if self._reducer is not None:
             self._reducer.remove()
-        self._reducer = GradReducer(
-            trainable,
-            plan,
-            self.process_group,
-            self._wire,
-            self.collective,
-            order is None,
-            self.find_unused_parameters,
-            self._piece_receiver(trainable),
-        )
+        self._settings.bucket_numel = self.reduce_buffer_size
+        self._settings.find_unused = self.find_unused_parameters
+        self._reducer = build_reducer(self.module, self._optimizers, self._settings, order)
         self._module_buffers = list(self.module.buffers())
-        self._submodules = list(self.module.modules())
-        self._registered_at_plan = self._registered()
-        self._params = list(self.module.parameters())
-        self._requires_grad = list(map(_TRAINABLE, self._params))
-        self._addresses = list(map(_ADDRESS, self._params))
-        self._plans = [o.plan for o in self._optimizers]
+        self._watch = Watch(self.module, self._optimizers)
+        self._refuse_at_forward |= _graph_grads(self.module)  # fairscale checks at setup
+
+
+def _graph_grads(module: nn.Module) -> bool:
+    """Whether a param of ``module`` has a ``.grad`` that requires grad (one pass)."""
+    return any(p.grad is not None and p.grad.requires_grad for p in module.parameters())
