@@ -3,6 +3,7 @@
     python tests/lifecycle.py --runs 20                  # the driver: 20 fresh rank pairs
     python tests/lifecycle.py --runs 20 --skip sdp,async # bisect: leave components out
     python tests/lifecycle.py --runs 20 --spawn          # fairscale's mp.spawn + file store
+    python tests/lifecycle.py --runs 20 --sdp-backward   # SDP only, exit right after backward
 
 Each run starts ``--world`` fresh interpreters (no launcher in between, so an exit status is
 the rank's own). Every rank: ``init_process_group`` (gloo, TCP store), an ``OSS`` under
@@ -13,8 +14,11 @@ DDP's comm hook (``overlap_with_ddp``) a few steps, a blocking and an asynchrono
 driver counts the runs where some rank did not exit 0 and how (SIGABRT, the C++ "terminate
 called without an active exception", a timeout). ``--skip`` drops components, to bisect;
 ``--cores DIR`` keeps the core dump of a rank that crashed (open it with gdb);
-``LIFECYCLE_SWITCH_S`` raises the interpreter's switch interval, so a non-Python thread
-that needs the GIL waits that long (it widens the window of a GIL race at exit).
+``--sdp-backward`` runs the ZeRO-2-only script instead: ``ShardedDataParallel`` + ``OSS``,
+a few steps, then one more forward and ``backward()`` with no step, and exit (the reducer's
+collectives are the last ones). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch
+interval, so a non-Python thread that needs the GIL waits that long (it widens the window of
+a GIL race at exit).
 tests/test_lifecycle.py runs it; docs/reliability.md has the counts measured with it.
 """
 
@@ -30,6 +34,8 @@ import tempfile
 import time
 
 COMPONENTS = ("sdp", "overlap", "ckpt", "async", "wait")
+#: ``--skip`` value that selects the ZeRO-2-only script ending in a backward.
+SDP_BACKWARD = "sdp_backward"
 ABORT = "terminate called without an active exception"
 
 
@@ -64,6 +70,15 @@ def rank_main(
 
     net = model()
     opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    if SDP_BACKWARD in skip:  # ZeRO-2 only; the last collectives are the reducer's
+        sdp = ShardedDataParallel(net, opt, reduce_buffer_size=200)
+        for step in range(3):
+            opt.zero_grad()
+            sdp(data(step)).pow(2).mean().backward()
+            opt.step()
+        sdp(data(3)).pow(2).mean().backward()
+        dist.destroy_process_group()
+        return
     if "sdp" not in skip:
         net = ShardedDataParallel(net, opt)
         for step in range(3):
@@ -184,11 +199,12 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--cores", default=None, help="keep core dumps of failed ranks here")
     p.add_argument("--spawn", action="store_true", help="fairscale's mp.spawn + file store")
+    p.add_argument("--sdp-backward", action="store_true", help="SDP only, exit after backward")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    skip = {s for s in args.skip.split(",") if s}
+    skip = {s for s in args.skip.split(",") if s} | ({SDP_BACKWARD} if args.sdp_backward else set())
     if args.rank is not None:
         rank_main(args.rank, args.world, args.port, args.dir, skip)
         return

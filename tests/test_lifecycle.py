@@ -3,7 +3,8 @@
 20 fresh 2-rank runs of tests/lifecycle.py (``init_process_group``, ``OSS`` under
 ``ShardedDataParallel``, a second ``OSS`` stepped in DDP's comm hook, a blocking and an
 asynchronous ``save_checkpoint``, ``destroy_process_group()``, exit), each rank its own
-interpreter, and fairscale's pattern (``mp.spawn``, a file store, ``OSS`` + SDP) a few times.
+interpreter, fairscale's pattern (``mp.spawn``, a file store, ``OSS`` + SDP) a few times, and
+10 runs of the ZeRO-2-only script that exits right after a ``backward()`` with no step.
 A rank that aborts (SIGABRT, "terminate called without an active exception"), dies on a
 signal or exits non-zero fails the test with its stderr; nothing is rerun.
 """
@@ -24,6 +25,7 @@ from oss_plus._dist import use_counts
 
 RUNS = 20
 SPAWN_RUNS = 2
+SDP_RUNS = 10
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +40,16 @@ def test_every_rank_of_every_lifecycle_exits_0():
         failures += [f"run {run} rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok"]
     assert not failures, "\n".join(failures)
     print(f"{RUNS} lifecycles in {time.perf_counter() - start:.0f}s")
+
+
+def test_zero2_exiting_right_after_backward_exits_0():
+    """ShardedDataParallel + OSS, then a last forward and backward with no step, then exit:
+    the reducer's collectives (buckets and used flags) are the last ones of the process."""
+    failures = []
+    for run in range(SDP_RUNS):
+        outcomes = lifecycle.one_run(2, {lifecycle.SDP_BACKWARD}, timeout=120, cores=None)
+        failures += [f"run {run} rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok"]
+    assert not failures, "\n".join(failures)
 
 
 def test_fairscales_spawn_pattern_exits_0():
