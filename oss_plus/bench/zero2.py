@@ -13,11 +13,13 @@ its persistent buckets and are counted through them, and so are oss_plus's owned
 own flat buckets and oss_plus's transient reduce buffers are not ``.grad`` and show in RSS
 only), and the peak RSS.
 
-Then the many-small-layers row (``--deep-layers`` x (Linear(64, 64) + LayerNorm + Tanh),
-batch 8, Adam ``fused=True``), where per-parameter overhead dominates: the configurations
-run side by side in the same processes, one iteration each in turn (order rotated every
-round), and the row gives each median against DDP + OSS. On CUDA it also counts the
-device-to-host syncs of one iteration (``torch.cuda.set_sync_debug_mode``).
+Then the side-by-side rows (:data:`ROWS`): the CPU proxy (``--deep-layers`` x (Linear(64, 64)
++ LayerNorm + Tanh), batch 8, Adam ``fused=True``), where per-parameter overhead dominates,
+and, only where CUDA exists (``--backend nccl``), issue 26's two GPU models (24 x
+(Linear(2048) + LayerNorm + GELU) and 96 x (Linear(512) + LayerNorm + GELU), batch 64, bf16
+autocast). The configurations run side by side in the same processes, one iteration each in
+turn (order rotated every round), and each row gives each median against DDP + OSS. On CUDA
+it also counts the device-to-host syncs of one iteration (``torch.cuda.set_sync_debug_mode``).
 """
 
 from __future__ import annotations
@@ -48,12 +50,22 @@ CONFIGS = (
 EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
-def _model(width: int, layers: int, deep: bool = False) -> torch.nn.Module:
+#: The side-by-side rows: (name, width, layers, activation, batch, bf16 autocast, CUDA only).
+#: The CPU proxy stands in for issue 26's two GPU models, which run only where CUDA exists.
+ROWS = (
+    ("small-layers", 64, 96, "tanh", 8, False, False),
+    ("gpu-wide", 2048, 24, "gelu", 64, True, True),
+    ("gpu-deep", 512, 96, "gelu", 64, True, True),
+)
+
+
+def _model(width: int, layers: int, deep: bool = False, act: str = "tanh") -> torch.nn.Module:
     torch.manual_seed(0)
     blocks: list[torch.nn.Module] = []
     for _ in range(layers):
         if deep:
-            blocks += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Tanh()]
+            activation = torch.nn.GELU() if act == "gelu" else torch.nn.Tanh()
+            blocks += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), activation]
         else:
             blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     return torch.nn.Sequential(*blocks).to(_device())
@@ -110,13 +122,15 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
     return FairscaleSDP(model, opt, reduce_buffer_size=bucket), opt
 
 
-def _iteration(net: Any, opt: Any, x: torch.Tensor) -> None:
+def _iteration(net: Any, opt: Any, x: torch.Tensor, autocast: bool = False) -> None:
     opt.zero_grad()
-    net(x).pow(2).mean().backward()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = net(x).float().pow(2).mean()
+    loss.backward()
     opt.step()
 
 
-def _syncs(net: Any, opt: Any, x: torch.Tensor) -> int:
+def _syncs(net: Any, opt: Any, x: torch.Tensor, autocast: bool = False) -> int:
     """Device-to-host syncs in one iteration (CUDA only; -1 elsewhere)."""
     if _device().type != "cuda":
         return -1
@@ -125,31 +139,36 @@ def _syncs(net: Any, opt: Any, x: torch.Tensor) -> int:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _iteration(net, opt, x)
+            _iteration(net, opt, x, autocast)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _side_by_side_rank(
-    rank: int, world: int, configs: list[str], args: dict[str, int]
+    rank: int, world: int, configs: list[str], args: dict[str, Any]
 ) -> dict[str, tuple[float, int]]:
-    """The many-small-layers row: every config in these processes, one iteration each in
+    """A side-by-side row (:data:`ROWS`): every config in these processes, one iteration each in
     turn; returns config -> (median seconds, syncs in one iteration)."""
     adam = {"fused": True}
-    nets = {c: _wrap(c, _model(64, args["layers"], deep=True), 2**23, **adam) for c in configs}
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank)).to(_device())
+    width, act, auto = args["width"], args["act"], args["autocast"]
+    nets = {
+        c: _wrap(c, _model(width, args["layers"], deep=True, act=act), 2**23, **adam)
+        for c in configs
+    }
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args["batch"], width, generator=gen).to(_device())
     times: dict[str, list[float]] = {c: [] for c in configs}
     for round_ in range(args["warmup"] + args["rounds"]):
         for c in configs[round_ % len(configs) :] + configs[: round_ % len(configs)]:
             dist.barrier()
             _synchronize()
             begin = time.perf_counter()
-            _iteration(*nets[c], x)
+            _iteration(*nets[c], x, auto)
             _synchronize()
             if round_ >= args["warmup"]:
                 times[c].append(time.perf_counter() - begin)
-    return {c: (statistics.median(times[c]), _syncs(*nets[c], x)) for c in configs}
+    return {c: (statistics.median(times[c]), _syncs(*nets[c], x, auto)) for c in configs}
 
 
 def _rank(rank: int, world: int, config: str, args: dict[str, int]) -> dict[str, float]:
@@ -265,23 +284,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_deep(args: argparse.Namespace, configs: list[str], backend: str) -> None:
-    deep = {"layers": args.deep_layers, "rounds": args.deep_rounds, "warmup": 3}
-    results = run_local(_side_by_side_rank, args.world, configs, deep, backend=backend)
-    print(
-        f"\nmany small layers: {args.deep_layers} x (Linear(64, 64) + LayerNorm + Tanh), "
-        f"batch 8, Adam fused, {args.world} {backend} rank(s), side by side, "
-        f"median of {args.deep_rounds}"
-    )
-    header = f"{'small-layers':>15} {'config':>22} {'rank':>4} {'iter (ms)':>10} {'vs DDP':>7}"
-    print(f"{header} {'syncs':>6}")
-    for rank, r in enumerate(results):
-        anchor = r["ddp_oss"][0] if "ddp_oss" in r else float("nan")
-        for config, (seconds, syncs) in r.items():
-            shown = "n/a" if syncs < 0 else str(syncs)
-            print(
-                f"{'small-layers':>15} {config:>22} {rank:>4} {seconds * 1e3:>10.2f} "
-                f"{seconds / anchor:>6.2f}x {shown:>6}"
-            )
+    cuda = backend == "nccl"
+    for name, width, layers, act, batch, auto, gpu_only in ROWS:
+        if gpu_only and not cuda:
+            continue
+        layers = args.deep_layers if name == "small-layers" else layers
+        row: dict[str, Any] = dict(
+            layers=layers,
+            rounds=args.deep_rounds,
+            warmup=3,
+            width=width,
+            act=act,
+            batch=batch,
+            autocast=auto,
+        )
+        results = run_local(_side_by_side_rank, args.world, configs, row, backend=backend)
+        print(
+            f"\n{name}: {layers} x (Linear({width}, {width}) + LayerNorm + {act}), batch "
+            f"{batch}, Adam fused{', bf16 autocast' if auto else ''}, {args.world} {backend} "
+            f"rank(s), side by side, median of {args.deep_rounds}"
+        )
+        header = f"{'row':>10} {'config':>22} {'rank':>4} {'iter (ms)':>10} {'vs DDP':>7}"
+        print(f"{header} {'syncs':>6}")
+        for rank, r in enumerate(results):
+            anchor = r["ddp_oss"][0] if "ddp_oss" in r else float("nan")
+            for config, (seconds, syncs) in r.items():
+                shown = "n/a" if syncs < 0 else str(syncs)
+                print(
+                    f"{name:>10} {config:>22} {rank:>4} {seconds * 1e3:>10.2f} "
+                    f"{seconds / anchor:>6.2f}x {shown:>6}"
+                )
 
 
 if __name__ == "__main__":
