@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from oss_plus import OSS, ShardedDataParallel
 from oss_plus._dist import use_counts
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD
+from oss_plus.data_parallel.wiring import PIECES_NOT_UNSCALED
 
 #: Collectives whose elements are counted, and the share of them each rank sends under the
 #: bandwidth-optimal algorithm (ring): the all-reduce of S elements sends 2 (N - 1) / N * S
@@ -185,3 +186,40 @@ def test_a_gradient_that_requires_grad_is_refused_on_every_rank(pool, case):
         if case == "create_graph":  # the refused backward left plain (graph-free) gradients
             assert r["next_forward"] is None
         assert r["resumed"]
+
+
+def plain_scaler_task(ctx, sharded):
+    """torch.amp.GradScaler over SDP + the flat rule (the pieces of cut params are no .grad,
+    so it cannot unscale them): refused from the step on every rank, nothing stepped; the
+    ShardedGradScaler steps like DDP + plain Adam + GradScaler (tests/test_sdp_flat.py)."""
+    from oss_plus import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01,
+              partition_rule="flat")  # fmt: skip
+    sdp = ShardedDataParallel(model, opt, ctx.group)
+    kind = ShardedGradScaler if sharded else torch.amp.GradScaler
+    scaler = kind("cpu", init_scale=2.0**12)
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    opt.zero_grad()
+    scaler.scale(sdp(batch(0, ctx.rank)).pow(2).mean()).backward()
+    held = len(opt.piece_grads())
+    error = None
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        error = str(exc)
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"error": error, "stepped": not torch.equal(before, after),
+            "held": held}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[4]], ids=["ws2", "offset23"])
+def test_a_plain_grad_scaler_is_refused_on_every_rank_before_stepping(pool, world):
+    for r in pool.run(plain_scaler_task, False, **world):
+        assert r["held"] > 0, "the ranks must hold pieces of cut params"
+        assert r["error"] is not None and PIECES_NOT_UNSCALED in r["error"]
+        assert "ShardedGradScaler" in r["error"] and not r["stepped"]
+    for r in pool.run(plain_scaler_task, True, **world):
+        assert r["error"] is None and r["stepped"]

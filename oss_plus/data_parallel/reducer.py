@@ -43,7 +43,12 @@ from oss_plus.data_parallel.buckets import Buckets
 from oss_plus.data_parallel.hooks import copy_pieces, make_hook
 from oss_plus.data_parallel.plan import ReducePlan
 
-__all__ = ["GRAD_REQUIRES_GRAD", "GradReducer", "NOTHING_TO_REDUCE", "SECOND_BACKWARD"]
+__all__ = [
+    "GRAD_REQUIRES_GRAD",
+    "GradReducer",
+    "NOTHING_TO_REDUCE",
+    "SECOND_BACKWARD",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +172,10 @@ class GradReducer:
         self.fired[:] = bytes(len(self.fired))
         self._unused: dict[int, list[int]] = {}  # bucket -> slots with no local gradient
         self._deferred: list[tuple[int, torch.Tensor]] = []  # owned, unused: (index, sum)
+
+    def on_remove(self, handle: Any) -> None:
+        """Remove ``handle`` (a hook registered for this reducer) with the reducer's own."""
+        self._handles.append(handle)
 
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
