@@ -107,6 +107,7 @@ class Buckets:
         for g, launch in enumerate(self.groups):
             for b in launch.buckets:
                 self._group_of[b] = g
+        self._templates = {b: self._flat_templates(b) for b in range(len(buckets)) if self.flat[b]}
         #: Persistent buckets: the flat buffer and the views that are their params' grads.
         self.flats: list[torch.Tensor | None] = [None] * len(buckets)
         self.views: list[list[torch.Tensor] | None] = [None] * len(buckets)
@@ -150,14 +151,25 @@ class Buckets:
     def member_views(self, b: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` (bucket ``b``'s storage) shaped like its members; a member that
         holds only a piece of its param (a flat key's) gets a 1-D view."""
-        bucket, members = self.plan.buckets[b], self.members[b]
+        bucket = self.plan.buckets[b]
         if not self.flat[b]:
-            return list(_unflatten(flat[: bucket.numel], members))
-        views = []
-        for param, offset, (start, end) in zip(members, bucket.offsets, bucket.spans):
-            view = flat[offset : offset + end - start]
-            views.append(view.view(param.shape) if end - start == param.numel() else view)
-        return views
+            return list(_unflatten(flat[: bucket.numel], self.members[b]))
+        templates, picks = self._templates[b]
+        views = _unflatten(flat[: bucket.numel], templates)  # one op for the bucket
+        return [views[k] for k in picks]
+
+    def _flat_templates(self, b: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Meta tensors shaped like bucket ``b``'s members (a piece 1-D) and the padding
+        between them, in buffer order; and the positions of the members among them."""
+        bucket, templates, picks, at = self.plan.buckets[b], [], [], 0
+        for param, offset, (start, end) in zip(self.members[b], bucket.offsets, bucket.spans):
+            if offset > at:
+                templates.append(torch.empty(offset - at, device="meta"))
+            picks.append(len(templates))
+            whole = end - start == param.numel()
+            templates.append(torch.empty(param.shape if whole else (end - start,), device="meta"))
+            at = offset + end - start
+        return templates, picks
 
     def reset(self) -> None:
         """Forget the transient buffers and the launch state (a new reduction starts)."""
