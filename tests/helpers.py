@@ -490,3 +490,26 @@ def sgd_pair(ctx: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any, torch.opt
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, momentum=0.9)
     return model, ref_model, opt, torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+
+
+def counts_while_holding_the_gil(
+    tensors: list[torch.Tensor], run: Callable[[int], Any], steps: int
+) -> tuple[list[int], list[list[int]]]:
+    """The C++ use counts of ``tensors`` before, and right after each ``run(step)`` for
+    ``step`` in 1..steps, with a 1 s switch interval: this thread keeps the GIL after a
+    collective's ``wait()``, so a gloo worker that still has to drop its reference (which
+    takes the GIL) cannot do it before the counts are read, unless the code under test
+    yielded until it did (``oss_plus._dist.await_release``)."""
+    from oss_plus._dist import use_counts
+
+    before = use_counts(tensors)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    after = []
+    try:
+        for step in range(1, steps + 1):
+            run(step)
+            after.append(use_counts(tensors))
+    finally:
+        sys.setswitchinterval(interval)
+    return before, after

@@ -12,16 +12,14 @@ signal or exits non-zero fails the test with its stderr; nothing is rerun.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import lifecycle
 import pytest
 import torch
-from helpers import ROOT, backward, make_model
+from helpers import ROOT, backward, counts_while_holding_the_gil, make_model
 
 from oss_plus import OSS
-from oss_plus._dist import use_counts
 
 RUNS = 20
 SPAWN_RUNS = 2
@@ -74,18 +72,12 @@ def released_task(ctx) -> tuple[list[int], list[list[int]]]:
     opt.step()  # the wire buffers exist from here on
     tensors = [b.flat for b in opt.sync.buckets if b.flat is not None]
     tensors += [b.wire_buffer(torch.bfloat16) for b in opt.sync.buckets if b.flat is not None]
-    before = use_counts(tensors)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1.0)
-    after = []
-    try:
-        for step in range(1, 21):
-            backward(model, step)
-            opt.step()
-            after.append(use_counts(tensors))
-    finally:
-        sys.setswitchinterval(interval)
-    return before, after
+
+    def step(k: int) -> None:
+        backward(model, k)
+        opt.step()
+
+    return counts_while_holding_the_gil(tensors, step, 20)
 
 
 def test_a_step_returns_after_gloo_dropped_its_tensors(pool):

@@ -5,17 +5,14 @@ as fairscale refuses it.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import WORLD_IDS, WORLDS
+from helpers import WORLD_IDS, WORLDS, counts_while_holding_the_gil
 from sdp_utils import Net, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS, ShardedDataParallel
-from oss_plus._dist import use_counts
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD
 from oss_plus.data_parallel.wiring import PIECES_NOT_UNSCALED
 
@@ -130,18 +127,12 @@ def release_task(ctx, rule):
     sdp = ShardedDataParallel(model, opt, ctx.group, reduce_buffer_size=64)
     sdp(batch(0, ctx.rank)).pow(2).mean().backward()
     tensors = [f for f in sdp._reducer.buckets.flats if f is not None]
-    before = use_counts(tensors)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1.0)
-    after = []
-    try:
-        for step in range(1, 11):
-            opt.zero_grad()
-            sdp(batch(step, ctx.rank)).pow(2).mean().backward()
-            after.append(use_counts(tensors))
-    finally:
-        sys.setswitchinterval(interval)
-    return before, after
+
+    def iteration(step: int) -> None:
+        opt.zero_grad()
+        sdp(batch(step, ctx.rank)).pow(2).mean().backward()
+
+    return counts_while_holding_the_gil(tensors, iteration, 10)
 
 
 @pytest.mark.parametrize("rule", ["fairscale", "flat"])
