@@ -60,7 +60,10 @@ class ShardedDataParallel(nn.Module):
             DDP does.
         sync_models_at_startup: broadcast params and buffers from rank 0 now.
         reduce_buffer_size: largest bucket, in elements; 0 sends each gradient alone.
-        auto_refresh_trainable: detect ``requires_grad`` changes at forward and repartition.
+        auto_refresh_trainable: detect ``requires_grad``, dtype and param changes at every
+            forward (C-level passes over the params) and repartition / re-plan. False:
+            forward makes no pass over the params; call :meth:`refresh_trainable` after
+            such a change (as with fairscale).
         reduce_fp16: send gradients as fp16 (DDP's ``fp16_compress_hook``), in any bucket
             setting (fairscale turns it off when buckets are used).
         warn_on_trainable_params_changed: log a warning when trainability changes.
