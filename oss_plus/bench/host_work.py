@@ -4,7 +4,8 @@
 
 Where no GPU is at hand, the host work of an iteration is what can be compared with DDP's
 without timing noise. For each configuration (the ``oss-plus bench --zero2`` rows, on the
-CPU proxy: ``--layers`` x (Linear(64, 64) + LayerNorm + Tanh), batch 8, Adam ``fused=True``)
+CPU proxy: ``--layers`` x (Linear(64, 64) + LayerNorm + Tanh), batch 8, Adam ``fused=True``;
+``--width`` changes the 64)
 one iteration after three warm-up ones is counted on every rank:
 
 * ``fwd_lines``: Python lines executed inside the wrapper's ``forward`` beyond the bare
@@ -108,12 +109,12 @@ def _iteration(net: Any, opt: Any, x: torch.Tensor) -> None:
     opt.step()
 
 
-def count_config(config: str, layers: int, rank: int) -> dict[str, float]:
+def count_config(config: str, layers: int, rank: int, width: int = 64) -> dict[str, float]:
     """The counts of one configuration on this rank (see the module doc)."""
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
-    model = _model(64, layers, deep=True)
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
+    model = _model(width, layers, deep=True)
     net, opt = _wrap(config, model, 2**23, fused=True)
     for _ in range(3):
         _iteration(net, opt, x)
@@ -130,8 +131,10 @@ def count_config(config: str, layers: int, rank: int) -> dict[str, float]:
     return {**counts, **profile_counts(prof)}
 
 
-def _rank(rank: int, world: int, configs: list[str], layers: int) -> dict[str, dict[str, float]]:
-    return {c: count_config(c, layers, rank) for c in configs}
+def _rank(
+    rank: int, world: int, configs: list[str], layers: int, width: int
+) -> dict[str, dict[str, float]]:
+    return {c: count_config(c, layers, rank, width) for c in configs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--layers", type=int, default=96)
+    p.add_argument("--width", type=int, default=64)
     p.add_argument("--configs", default=",".join(CONFIGS))
     args = p.parse_args(argv)
     configs = args.configs.split(",")
-    results = run_local(_rank, args.world, configs, args.layers, threads=1)
+    results = run_local(_rank, args.world, configs, args.layers, args.width, threads=1)
+    w = args.width
     print(
-        f"host work per iteration, {args.layers} x (Linear(64, 64) + LayerNorm + Tanh), "
+        f"host work per iteration, {args.layers} x (Linear({w}, {w}) + LayerNorm + Tanh), "
         f"{4 * args.layers} params, {args.world} gloo rank(s)"
     )
     print(f"{'config':>24} {'rank':>4} " + " ".join(f"{c:>9}" for c in COLUMNS))

@@ -7,7 +7,8 @@ peak RSS is its own).
     python -m oss_plus.bench.zero2 --backend nccl --world 1   # the same on GPUs
 
 Per rank it reports: the median step time (forward, backward with its reduction, optimizer
-step), the peak bytes held by ``.grad`` tensors (distinct storages, sampled at every
+step), the peak bytes held by ``.grad`` tensors and piece gradients (``OSS.piece_grads()``;
+distinct storages, sampled at every
 gradient hook, after backward and after the step: fairscale's bucketed grads are views of
 its persistent buckets and are counted through them, and so are oss_plus's owned ones; DDP's
 own flat buckets and oss_plus's transient reduce buffers are not ``.grad`` and show in RSS
@@ -82,12 +83,13 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _grad_bytes(params: Sequence[torch.Tensor]) -> int:
-    storages: dict[int, int] = {}
-    for p in params:
-        if p.grad is not None:
-            storage = p.grad.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+def _grad_bytes(params: Sequence[torch.Tensor], opt: Any = None) -> int:
+    """Bytes of the distinct storages holding ``.grad`` s and the optimizer's piece
+    gradients (``OSS.piece_grads()``, the flat rule under ZeRO-2)."""
+    pieces = getattr(opt, "piece_grads", None)
+    grads = [p.grad for p in params if p.grad is not None]
+    grads += list(pieces().values()) if callable(pieces) else []
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
     return sum(storages.values())
 
 
@@ -178,7 +180,7 @@ def _rank(rank: int, world: int, config: str, args: dict[str, int]) -> dict[str,
     peak = [0]
 
     def sample(*_: Any) -> None:
-        peak[0] = max(peak[0], _grad_bytes(params))
+        peak[0] = max(peak[0], _grad_bytes(params, opt))
 
     hooks = [p.register_post_accumulate_grad_hook(sample) for p in params]
     times = []
