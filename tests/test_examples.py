@@ -80,12 +80,12 @@ def test_the_choice_reads_the_visible_devices(monkeypatch, available, count):
     assert choose_device("auto", 1, 2).backend == ("nccl" if count >= 2 else "gloo")
 
 
-#: A sitecustomize that makes every interpreter torchrun starts see one (absent) GPU.
+#: A sitecustomize that makes the device choice of every interpreter torchrun starts see one
+#: GPU (torch itself still sees none: its optimizers check CUDA graphs when CUDA is available).
 ONE_FAKE_GPU = """\
-import torch
+import oss_plus._launch
 
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
+oss_plus._launch.visible_gpus = lambda: 1
 """
 
 
