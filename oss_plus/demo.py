@@ -53,6 +53,11 @@ def _rank_device(rank: int, device_type: str) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
+def _describe(device: torch.device, group: Any | None = None) -> str:
+    """How the report names the ranks, e.g. ``"gloo ranks (cpu)"``."""
+    return f"{dist.get_backend(group)} ranks ({device.type})"
+
+
 def _ddp(module: torch.nn.Module, device: torch.device, group: Any | None = None) -> DDP:
     ids = [device.index] if device.type == "cuda" else None
     return DDP(module.to(device), process_group=group, device_ids=ids)
@@ -103,29 +108,32 @@ def _rank_main(
         "step": statistics.median(times[1:]),
         "ref_step": statistics.median(ref_times[1:]),
         "params": sum(p.numel() for p in sharded.parameters()),
+        "ranks": _describe(device),
     }
 
 
-def _ranks(device: str, world_size: int) -> tuple[str, str, list[str]]:
-    """(backend, device type, note lines) of the demo's local ranks (see choose_device)."""
+def _on_ranks(fn: Any, device: str, world_size: int, *args: Any) -> tuple[list[Any], list[str]]:
+    """Run ``fn(rank, world, *args, device_type)`` on ``world_size`` local ranks placed by
+    :func:`choose_device`; return the results and the note lines (a fallback to the CPU).
+
+    Raises:
+        ValueError: an unknown ``device``, or ``"cuda"`` with fewer GPUs than ranks.
+    """
     choice = choose_device(device, 0, world_size)
-    return choice.backend, choice.device.type, [choice.note] if choice.note else []
+    results = run_local(fn, world_size, *args, choice.device.type, backend=choice.backend)
+    return results, [choice.note] if choice.note else []
 
 
 def run_demo(
     world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4, device: str = "auto"
 ) -> str:
-    """Train on ``world_size`` local ranks and return the report as text.
-
-    Raises:
-        ValueError: an unknown ``device``, or ``"cuda"`` with fewer GPUs than ranks.
-    """
-    backend, device_type, notes = _ranks(device, world_size)
-    results = run_local(_rank_main, world_size, steps, width, depth, device_type, backend=backend)
+    """Train on ``world_size`` local ranks (``device``: see :func:`_on_ranks`); return the
+    report as text."""
+    results, notes = _on_ranks(_rank_main, device, world_size, steps, width, depth)
     r0 = results[0]
     lines = [
         *notes,
-        f"oss_plus demo: DDP + OSS(Adam) on {world_size} {backend} ranks ({device_type}), "
+        f"oss_plus demo: DDP + OSS(Adam) on {world_size} {r0['ranks']}, "
         f"{r0['params']:,} params, {steps} steps",
         "",
         f"{'step':>4}  {'loss (OSS)':>12}  {'loss (Adam)':>12}  same",
@@ -192,10 +200,11 @@ def amp_rank_main(
     ref = torch.optim.Adam(plain.parameters(), lr=1e-3)
     # a high initial scale overflows at first: the scaler backs off (skipping those steps),
     # then grows again every AMP_GROWTH clean steps
-    scale = {"init_scale": AMP_INIT_SCALE, "growth_interval": AMP_GROWTH}
-    scaler = ShardedGradScaler(device.type, **scale)
-    ref_scaler = torch.amp.GradScaler(device.type, **scale)
-    log: dict[str, Any] = {"rows": [], "ref_rows": [], "ranks": f"{dist.get_backend(group)} ranks"}
+    scaler = ShardedGradScaler(device.type, init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH)
+    ref_scaler = torch.amp.GradScaler(
+        device.type, init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH
+    )
+    log: dict[str, Any] = {"rows": [], "ref_rows": [], "ranks": _describe(device, group)}
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, width, generator=gen).to(device)
@@ -252,14 +261,8 @@ def format_amp_report(results: list[dict[str, Any]], steps: int) -> str:
 def run_amp_demo(
     world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4, device: str = "auto"
 ) -> str:
-    """Run the AMP recipe on ``world_size`` local ranks and return the report as text.
-
-    Raises:
-        ValueError: an unknown ``device``, or ``"cuda"`` with fewer GPUs than ranks.
-    """
-    backend, device_type, notes = _ranks(device, world_size)
-    args = (steps, width, depth, None, device_type)
-    results = run_local(amp_rank_main, world_size, *args, backend=backend)
+    """The AMP recipe instead: the same ranks, the report of :func:`format_amp_report`."""
+    results, notes = _on_ranks(amp_rank_main, device, world_size, steps, width, depth, None)
     return "\n".join([*notes, format_amp_report(results, steps)])
 
 
