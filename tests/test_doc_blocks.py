@@ -30,6 +30,8 @@ import torch.distributed as dist
 from helpers import flat_params, state_equal
 from test_examples import python_blocks
 
+from oss_plus._launch import _drain
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 #: Pages whose python blocks other tests run, with their block counts.
@@ -279,6 +281,10 @@ def run_page(page: str) -> None:
         with contextlib.redirect_stdout(out):
             exec(compile("\n" * fence_line(text, block) + block, str(path), "exec"), ns)
         check(ns, out.getvalue())
+    # the checks' own collectives (same_on_every_rank's all_gather) do not wait for gloo's
+    # worker to drop their tensors: one that does, last, keeps the exit from aborting
+    # ("terminate called without an active exception", docs/reliability.md "Process exit")
+    _drain()
     destroy()
     sys.stdout.write(f"{page}: {len(blocks)} python block(s) ran and checked on rank {rank()}\n")
     sys.stdout.flush()
