@@ -1,7 +1,9 @@
 """Shared set-up for the examples: process group, device and a small model.
 
-Run any example with ``torchrun --nproc_per_node 2 examples/<name>.py``: on CPU it uses gloo,
-on a machine with GPUs it uses NCCL and one GPU per rank, unchanged.
+Run any example with ``torchrun --nproc_per_node 2 examples/<name>.py``. Each local rank
+takes ``cuda:LOCAL_RANK`` under NCCL when the machine has a GPU per local rank; with fewer
+GPUs (or none), every rank runs on the CPU under gloo, and rank 0 says so in one line when
+some GPUs were too few. ``--device cpu`` or ``--device cuda`` overrides the choice.
 """
 
 from __future__ import annotations
@@ -12,16 +14,22 @@ import os
 import torch
 import torch.distributed as dist
 
+from oss_plus._launch import DEVICES, choose_device
 
-def setup() -> torch.device:
+
+def setup(requested: str = "auto") -> torch.device:
     """Initialise the process group from torchrun's environment; return this rank's device."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+    choice = choose_device(
+        requested,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    )
+    if choice.note and int(os.environ.get("RANK", 0)) == 0:
+        print(choice.note, flush=True)
+    if choice.device.type == "cuda":
+        torch.cuda.set_device(choice.device)
+    dist.init_process_group(choice.backend)
+    return choice.device
 
 
 def model(device: torch.device, width: int = 128) -> torch.nn.Module:
@@ -46,6 +54,13 @@ def batch(step: int, device: torch.device, width: int = 128) -> tuple[torch.Tens
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICES,
+        help="auto: cuda:LOCAL_RANK with NCCL when there is a GPU per local rank, else gloo on "
+        "the CPU (default); cpu; cuda",
+    )
     return p
 
 

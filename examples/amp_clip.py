@@ -17,7 +17,7 @@ from oss_plus import OSS, ShardedGradScaler
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    device = setup()
+    device = setup(args.device)
     net = DDP(model(device), device_ids=[device.index] if device.type == "cuda" else None)
     opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-3, broadcast_dtype=torch.bfloat16)
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16

@@ -21,7 +21,7 @@ def main() -> None:
     p.add_argument("--dir", required=True, help="checkpoint directory")
     p.add_argument("--resume", action="store_true", help="load --dir before training")
     args = p.parse_args()
-    device = setup()
+    device = setup(args.device)
     net = model(device)
     opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-3)
     start = 0

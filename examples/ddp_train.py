@@ -13,7 +13,7 @@ from oss_plus import OSS
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    device = setup()
+    device = setup(args.device)
     net = DDP(model(device), device_ids=[device.index] if device.type == "cuda" else None)
     opt = OSS(net.parameters(), optim=torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)

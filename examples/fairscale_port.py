@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    device = setup()
+    device = setup(args.device)
     net = DDP(model(device), device_ids=[device.index] if device.type == "cuda" else None)
     opt = OSS(net.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9, broadcast_fp16=True)
     log(f"OSS is {OSS.__module__}.{OSS.__name__}")

@@ -23,7 +23,7 @@ from fairscale.optim.grad_scaler import ShardedGradScaler  # noqa: E402
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    device = setup()
+    device = setup(args.device)
     net = model(device)
     opt = OSS(net.parameters(), optim=torch.optim.AdamW, lr=1e-3)
     net = ShardedDataParallel(net, opt)

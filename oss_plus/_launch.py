@@ -10,6 +10,7 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +37,7 @@ def pick_backend(requested: str, world_size: int) -> str:
     Raises:
         ValueError: NCCL was requested but there are fewer GPUs than ranks.
     """
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     if requested == "nccl" and gpus < world_size:
         raise ValueError(
             f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPU(s); "
@@ -45,6 +46,71 @@ def pick_backend(requested: str, world_size: int) -> str:
     if requested == "auto":
         return "nccl" if gpus >= world_size else "gloo"
     return requested
+
+
+#: The values of the examples' and the demo's ``--device`` flag.
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where one local rank runs: its device, the backend of its process group, and a
+    one-line note when GPUs exist but too few for the local ranks (empty otherwise)."""
+
+    device: torch.device
+    backend: str
+    note: str = ""
+
+
+def visible_gpus() -> int:
+    """Return how many CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_device(
+    requested: str, local_rank: int, local_world_size: int, gpus: int | None = None
+) -> DeviceChoice:
+    """Pick a local rank's device the way torchrun scripts do.
+
+    ``auto``: ``cuda:local_rank`` with NCCL when every local rank has its own GPU; with fewer
+    GPUs than local ranks, every rank falls back to gloo on the CPU (all ranks decide alike,
+    so the group gets one backend) and :attr:`DeviceChoice.note` says so. ``cpu`` and
+    ``cuda`` force the choice.
+
+    Args:
+        requested: ``"auto"``, ``"cpu"`` or ``"cuda"`` (the ``--device`` flag).
+        local_rank: this process's rank on its machine (torchrun's ``LOCAL_RANK``).
+        local_world_size: the ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``).
+        gpus: the CUDA devices this process sees (default: :func:`visible_gpus`).
+
+    Raises:
+        ValueError: an unknown ``requested``, or ``cuda`` with fewer GPUs than local ranks.
+
+    Example:
+        >>> choose_device("auto", 1, 2, gpus=2).device
+        device(type='cuda', index=1)
+        >>> choice = choose_device("auto", 1, 2, gpus=1)
+        >>> choice.device, choice.backend
+        (device(type='cpu'), 'gloo')
+    """
+    if requested not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    gpus = visible_gpus() if gpus is None else gpus
+    enough = gpus >= local_world_size
+    if requested == "cuda" and not enough:
+        raise ValueError(
+            f"--device cuda needs one GPU per local rank: {local_world_size} local rank(s), "
+            f"{gpus} GPU(s); use --device cpu or fewer ranks"
+        )
+    if requested == "cpu" or not enough:
+        note = ""
+        if requested == "auto" and gpus > 0:
+            note = (
+                f"{gpus} GPU(s) for {local_world_size} local ranks: every rank runs on the CPU "
+                "with gloo (one GPU per local rank is needed for NCCL; --device to choose)"
+            )
+        return DeviceChoice(torch.device("cpu"), "gloo", note)
+    return DeviceChoice(torch.device("cuda", local_rank), "nccl")
 
 
 def threads_per_rank(requested: int, world_size: int) -> int:

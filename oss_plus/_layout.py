@@ -165,9 +165,14 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
     layout, never per step. Falls back to the plain view where DLPack cannot export the dtype.
     """
     try:
-        return torch.from_dlpack(view.detach())
+        owned = torch.from_dlpack(view.detach())
     except (BufferError, RuntimeError, TypeError):
         return view
+    # torch 2.6's DLPack import sets the strides of size-1 dims to 1 ((1, 12): (12, 1) ->
+    # (1, 1)), and some CPU kernels then round differently than for the unsharded param
+    if owned.stride() != view.stride():
+        owned = owned.as_strided(view.shape, view.stride())
+    return owned
 
 
 @torch.no_grad()

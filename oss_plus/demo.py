@@ -1,4 +1,8 @@
-"""The demo: DDP + oss_plus.OSS on local gloo ranks against the unsharded optimizer.
+"""The demo: DDP + oss_plus.OSS on local ranks against the unsharded optimizer.
+
+Each rank takes its own GPU under NCCL when there is one per rank, else every rank runs on
+the CPU under gloo (and the report's first line says so when some GPUs were too few);
+``--device`` overrides (:func:`oss_plus._launch.choose_device`).
 
 ``--amp`` runs the recipe of ``docs/amp.md`` instead: fp16 autocast + ShardedGradScaler +
 OSS.clip_grad_norm + a bf16 wire, against DDP + torch.amp.GradScaler + clip_grad_norm_ + Adam.
@@ -12,9 +16,10 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from oss_plus._launch import run_local
+from oss_plus._launch import DEVICES, choose_device, run_local
 from oss_plus.amp import ShardedGradScaler
 from oss_plus.optimizer import OSS
 
@@ -43,34 +48,56 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def _rank_device(rank: int, device_type: str) -> torch.device:
+    """Rank ``rank``'s device: its own GPU (``run_local`` set it current under NCCL), or the CPU."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def _describe(device: torch.device, group: Any | None = None) -> str:
+    """How the report names the ranks, e.g. ``"gloo ranks (cpu)"``."""
+    return f"{dist.get_backend(group)} ranks ({device.type})"
+
+
+def _ddp(module: torch.nn.Module, device: torch.device, group: Any | None = None) -> DDP:
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(module.to(device), process_group=group, device_ids=ids)
+
+
 def _train(
-    model: DDP, opt: Any, steps: int, width: int, rank: int
+    model: DDP, opt: Any, steps: int, width: int, rank: int, device: torch.device
 ) -> tuple[list[float], list[float]]:
     losses, times = [], []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(32, width, generator=gen)
+        x = torch.randn(32, width, generator=gen).to(device)
         y = x[:, :1].sin()
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     return losses, times
 
 
-def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> dict[str, Any]:
-    sharded = DDP(_model(width, depth))
-    plain = DDP(_model(width, depth))
+def _rank_main(
+    rank: int, world: int, steps: int, width: int, depth: int, device_type: str = "cpu"
+) -> dict[str, Any]:
+    device = _rank_device(rank, device_type)
+    sharded = _ddp(_model(width, depth), device)
+    plain = _ddp(_model(width, depth), device)
     opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-3)
     ref = torch.optim.Adam(plain.parameters(), lr=1e-3)
     # the reference first: a rank's last collective is then OSS.step's sync, which returns only
     # after gloo let go of its tensors; DDP's own allreduce does not wait for that, and a
     # process exiting right after it can abort (docs/reliability.md, "Process exit")
-    ref_losses, ref_times = _train(plain, ref, steps, width, rank)
-    losses, times = _train(sharded, opt, steps, width, rank)
+    ref_losses, ref_times = _train(plain, ref, steps, width, rank, device)
+    losses, times = _train(sharded, opt, steps, width, rank, device)
     identical = all(torch.equal(a, b) for a, b in zip(sharded.parameters(), plain.parameters()))
     return {
         "losses": losses,
@@ -81,15 +108,32 @@ def _rank_main(rank: int, world: int, steps: int, width: int, depth: int) -> dic
         "step": statistics.median(times[1:]),
         "ref_step": statistics.median(ref_times[1:]),
         "params": sum(p.numel() for p in sharded.parameters()),
+        "ranks": _describe(device),
     }
 
 
-def run_demo(world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4) -> str:
-    """Train on ``world_size`` local gloo ranks and return the report as text."""
-    results = run_local(_rank_main, world_size, steps, width, depth)
+def _on_ranks(fn: Any, device: str, world_size: int, *args: Any) -> tuple[list[Any], list[str]]:
+    """Run ``fn(rank, world, *args, device_type)`` on ``world_size`` local ranks placed by
+    :func:`choose_device`; return the results and the note lines (a fallback to the CPU).
+
+    Raises:
+        ValueError: an unknown ``device``, or ``"cuda"`` with fewer GPUs than ranks.
+    """
+    choice = choose_device(device, 0, world_size)
+    results = run_local(fn, world_size, *args, choice.device.type, backend=choice.backend)
+    return results, [choice.note] if choice.note else []
+
+
+def run_demo(
+    world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4, device: str = "auto"
+) -> str:
+    """Train on ``world_size`` local ranks (``device``: see :func:`_on_ranks`); return the
+    report as text."""
+    results, notes = _on_ranks(_rank_main, device, world_size, steps, width, depth)
     r0 = results[0]
     lines = [
-        f"oss_plus demo: DDP + OSS(Adam) on {world_size} gloo ranks, "
+        *notes,
+        f"oss_plus demo: DDP + OSS(Adam) on {world_size} {r0['ranks']}, "
         f"{r0['params']:,} params, {steps} steps",
         "",
         f"{'step':>4}  {'loss (OSS)':>12}  {'loss (Adam)':>12}  same",
@@ -119,7 +163,7 @@ def run_demo(world_size: int = 2, steps: int = 20, width: int = 256, depth: int 
 def _amp_step(model: DDP, opt: Any, scaler: Any, x: torch.Tensor) -> tuple[float, float, bool]:
     """One step of the AMP recipe; returns (loss, grad norm, skipped)."""
     opt.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(x.device.type, dtype=torch.float16):
         loss = torch.nn.functional.mse_loss(model(x).float(), x[:, :1].sin())
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
@@ -134,11 +178,18 @@ def _amp_step(model: DDP, opt: Any, scaler: Any, x: torch.Tensor) -> tuple[float
 
 
 def amp_rank_main(
-    rank: int, world: int, steps: int, width: int, depth: int, group: Any | None = None
+    rank: int,
+    world: int,
+    steps: int,
+    width: int,
+    depth: int,
+    group: Any | None = None,
+    device_type: str = "cpu",
 ) -> dict[str, Any]:
     """Train the AMP recipe sharded (bf16 wire) and unsharded on one rank; return the log."""
-    sharded = DDP(_model(width, depth), process_group=group)
-    plain = DDP(_model(width, depth), process_group=group)
+    device = _rank_device(rank, device_type)
+    sharded = _ddp(_model(width, depth), device, group)
+    plain = _ddp(_model(width, depth), device, group)
     opt = OSS(
         sharded.parameters(),
         optim=torch.optim.Adam,
@@ -149,11 +200,14 @@ def amp_rank_main(
     ref = torch.optim.Adam(plain.parameters(), lr=1e-3)
     # a high initial scale overflows at first: the scaler backs off (skipping those steps),
     # then grows again every AMP_GROWTH clean steps
-    scaler = ShardedGradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH)
-    log: dict[str, Any] = {"rows": [], "ref_rows": []}
+    scaler = ShardedGradScaler(device.type, init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH)
+    ref_scaler = torch.amp.GradScaler(
+        device.type, init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH
+    )
+    log: dict[str, Any] = {"rows": [], "ref_rows": [], "ranks": _describe(device, group)}
     for step in range(steps):
-        x = torch.randn(32, width, generator=torch.Generator().manual_seed(1000 * step + rank))
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, width, generator=gen).to(device)
         log["rows"].append(_amp_step(sharded, opt, scaler, x))
         log["ref_rows"].append(_amp_step(plain, ref, ref_scaler, x))
     diffs = [(a - b).abs().max().item() for a, b in zip(sharded.parameters(), plain.parameters())]
@@ -173,7 +227,7 @@ def format_amp_report(results: list[dict[str, Any]], steps: int) -> str:
     r0 = results[0]
     lines = [
         f"oss_plus demo --amp: DDP + fp16 autocast + ShardedGradScaler + OSS(Adam) with "
-        f"clip_grad_norm({AMP_MAX_NORM}) and a bf16 wire, on {len(results)} gloo ranks, "
+        f"clip_grad_norm({AMP_MAX_NORM}) and a bf16 wire, on {len(results)} {r0['ranks']}, "
         f"{r0['params']:,} params, {steps} steps; reference: DDP + torch.amp.GradScaler + "
         "clip_grad_norm_ + Adam (unsharded, fp32)",
         "",
@@ -204,14 +258,18 @@ def format_amp_report(results: list[dict[str, Any]], steps: int) -> str:
     return "\n".join(lines)
 
 
-def run_amp_demo(world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4) -> str:
-    """Run the AMP recipe on ``world_size`` local gloo ranks and return the report as text."""
-    return format_amp_report(run_local(amp_rank_main, world_size, steps, width, depth), steps)
+def run_amp_demo(
+    world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4, device: str = "auto"
+) -> str:
+    """The AMP recipe instead: the same ranks, the report of :func:`format_amp_report`."""
+    results, notes = _on_ranks(amp_rank_main, device, world_size, steps, width, depth, None)
+    return "\n".join([*notes, format_amp_report(results, steps)])
 
 
 def _run(args: argparse.Namespace) -> int:
     demo = run_amp_demo if args.amp else run_demo
-    print(demo(world_size=args.world_size, steps=args.steps, width=args.width, depth=args.depth))
+    sizes = {"world_size": args.world_size, "steps": args.steps, "width": args.width}
+    print(demo(**sizes, depth=args.depth, device=args.device))
     return 0
 
 
@@ -219,14 +277,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand to the ``oss-plus`` parser."""
     demo = sub.add_parser(
         "demo",
-        help="train a small model with DDP + OSS on local gloo ranks and print a report",
-        description="Spawn local gloo ranks, train a small MLP with DDP + oss_plus.OSS(Adam) and "
+        help="train a small model with DDP + OSS on local ranks and print a report",
+        description="Spawn local ranks (one GPU each under NCCL, else gloo on the CPU), train "
+        "a small MLP with DDP + oss_plus.OSS(Adam) and "
         "with DDP + plain Adam, and compare losses, state size and step time.",
     )
     demo.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     demo.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
     demo.add_argument("--depth", type=int, default=4, help="hidden layers (default 4)")
+    demo.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICES,
+        help="auto (a GPU per rank under NCCL when there are enough, else gloo on the CPU), "
+        "cpu or cuda",
+    )
     demo.add_argument(
         "--amp",
         action="store_true",

@@ -213,7 +213,6 @@ PER_ELEMENT_KEYS: dict[type[torch.optim.Optimizer], frozenset[str]] = {
     cls: frozenset(keys)
     for cls, keys in (
         (torch.optim.Adadelta, ("square_avg", "acc_delta")),
-        (torch.optim.Adafactor, ("variance",)),
         (torch.optim.Adagrad, ("sum",)),
         (torch.optim.Adam, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
         (torch.optim.AdamW, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
@@ -227,6 +226,8 @@ PER_ELEMENT_KEYS: dict[type[torch.optim.Optimizer], frozenset[str]] = {
         (torch.optim.SparseAdam, ("exp_avg", "exp_avg_sq")),
     )
 }
+if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
+    PER_ELEMENT_KEYS[torch.optim.Adafactor] = frozenset({"variance"})
 if hasattr(torch.optim, "Muon"):
     PER_ELEMENT_KEYS[torch.optim.Muon] = frozenset({"momentum_buffer"})
 

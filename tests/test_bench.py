@@ -4,12 +4,25 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from oss_plus.bench import cli, impls, report
+from oss_plus._launch import visible_gpus
+from oss_plus.bench import (
+    async_ckpt,
+    checkpoint_bench,
+    cli,
+    ddp_bench,
+    impls,
+    report,
+    step_bench,
+    zero2,
+)
 from oss_plus.bench.impls import IMPLS, Impl
 from oss_plus.bench.step_bench import BenchConfig, run
 from oss_plus.cli import build_parser, main
@@ -120,7 +133,12 @@ def test_quick_and_flags_build_the_config():
 def test_many_tensors_noop_run_measures_the_wrappers_alone(tmp_path):
     """--tensors splits the same size into equal tensors; --optimizer noop leaves only the
     wrappers' own work: host time, and host reads per step (0 alone, 1 for oss_plus on 2
-    ranks, 0 for fairscale, which reads nothing), measured in the run itself."""
+    ranks, 0 for fairscale, which reads nothing), measured in the run itself.
+
+    The device is the bench's default (auto): a GPU per rank under NCCL where the machine has
+    enough, else the CPU. On CUDA the bench measures the device memory a step peaks at (the
+    column is None on the CPU, where the RSS columns stand in) and counts device-to-host
+    syncs, of which oss_plus may need fewer than the CPU's host reads, never more."""
     rows = "oss_plus,fairscale,torch_zero_bv,floor"
     argv = ["bench", "--size", "0.004", "--tensors", "40", "--optimizer", "noop", "--rounds", "1"]
     argv += ["--steps", "3", "--warmup", "1", "--sweep-sizes", "", "--no-memory", "--no-plot"]
@@ -130,12 +148,18 @@ def test_many_tensors_noop_run_measures_the_wrappers_alone(tmp_path):
             code = main([*argv, "--world-size", str(world), "--impls", rows, "--out", str(out)])
         assert code == 0
         data = json.loads((out / "bench.json").read_text())
-        assert data["config"]["tensors"] == 40
+        assert data["config"]["tensors"] == 40 and data["config"]["device"] == "auto"
+        on_cuda = data["machine"]["backend"] == "nccl"  # auto: the GPU under NCCL, else the CPU
+        assert on_cuda == (visible_gpus() >= world)
         for key, row in data["rows"].items():
-            assert row["host_s"] > 0 and row["peak_over_steady"] is None, key
+            assert row["host_s"] > 0, key
+            peak = row["peak_over_steady"]
+            assert peak >= 0 if on_cuda else peak is None, (key, peak)
             assert row["state_bytes"] == [0] * world, key  # the inner step keeps no state
         syncs = {k: r["syncs"] for k, r in data["rows"].items()}
-        assert syncs == {"oss_plus": world - 1, "fairscale": 0, "torch_zero_bv": 0, "floor": 0}
+        ours = syncs.pop("oss_plus")
+        assert ours <= world - 1 if on_cuda else ours == world - 1
+        assert syncs == {"fairscale": 0, "torch_zero_bv": 0, "floor": 0}
         assert (data["rows"]["oss_plus"]["wire_bytes"] > 0) == (world > 1)  # nothing alone
 
 
@@ -202,4 +226,54 @@ def test_zero2_bench_shows_the_gradient_memory_zero2_saves(capsys):
     assert all(
         small[("ddp_oss", k)][4] == "1.00x" and float(small[("oss_plus_sdp", k)][3]) > 0
         for k in "01"
+    )
+
+
+# ------------------------------------------------------------------ docs/benchmarks.md "GPU"
+class _Spawned(Exception):
+    """Raised by the stand-in of run_local: the command got as far as starting its ranks."""
+
+
+def gpu_section_commands() -> list[list[str]]:
+    """The ``python -m oss_plus bench`` lines of the GPU section, continuation lines joined."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    section = text[text.index("\n## GPU\n") :]
+    section = section[: section.index("\n## ", 1)].replace("\\\n", " ")
+    lines = [line.split("#")[0] for line in section.splitlines()]
+    return [shlex.split(line)[3:] for line in lines if line.startswith("python -m oss_plus bench")]
+
+
+def test_gpu_section_commands_start_their_ranks_with_one_gpu(monkeypatch):
+    """Each bench line of the GPU section, through the real CLI with one (simulated) GPU,
+    reaches the spawn of its ranks with a backend that has a GPU per rank; the same line with
+    one rank more than GPUs under NCCL stops with the one-line error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    spawned = []
+
+    def spawn(fn, world_size, *args, backend="gloo", threads=0):
+        spawned.append((world_size, backend))
+        raise _Spawned
+
+    for module in (step_bench, zero2, async_ckpt, ddp_bench, checkpoint_bench):
+        monkeypatch.setattr(module, "run_local", spawn)
+    commands = gpu_section_commands()
+    assert len(commands) >= 5 and any("nccl" in c for c in commands)
+    for argv in commands:
+        spawned.clear()
+        with contextlib.redirect_stdout(io.StringIO()), pytest.raises(_Spawned):
+            main(argv)
+        (world, backend), nccl = spawned[0], "nccl" in argv
+        assert backend == ("nccl" if nccl else "gloo") and (world == 1 or not nccl), argv
+
+
+@pytest.mark.parametrize("extra", [[], ["--zero2"]], ids=["step", "zero2"])
+def test_nccl_with_fewer_gpus_than_ranks_is_a_one_line_error(monkeypatch, capsys, extra):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["bench", *extra, "--backend", "nccl", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "oss-plus bench: error: --backend nccl needs one GPU per rank: 2 ranks, 1 GPU(s); "
+        "use --backend gloo"
     )

@@ -32,7 +32,13 @@ def expected() -> dict:
 
 
 def test_the_recorded_state_is_that_of_the_unsharded_adam():
-    assert diff(expected(), fixture.reference_state_dict()) is None
+    """The tensors exactly; of the hyperparameters, those the installed torch's Adam keeps
+    (torch 2.13 recorded ``decoupled_weight_decay``, which Adam before 2.7 does not have)."""
+    recorded, known = expected(), set(torch.optim.Adam([torch.zeros(1)]).defaults) | {"params"}
+    for group in recorded["param_groups"]:
+        for key in set(group) - known:
+            del group[key]
+    assert diff(recorded, fixture.reference_state_dict()) is None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

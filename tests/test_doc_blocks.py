@@ -30,6 +30,8 @@ import torch.distributed as dist
 from helpers import flat_params, state_equal
 from test_examples import python_blocks
 
+from oss_plus._launch import _drain
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 #: Pages whose python blocks other tests run, with their block counts.
@@ -95,7 +97,7 @@ def check_fairscale_after(ns: dict, out: str) -> None:
     adapter = oss_plus.compat.fairscale.OSS
     assert ns["OSS"] is adapter and type(ns["opt"]) is adapter, ns["OSS"]
     ns["opt"].zero_grad()
-    ns["ddp"](torch.randn(8, 16)).sum().backward()
+    ns["ddp"](torch.randn(8, 16, device=ns["device"])).sum().backward()
     ns["opt"].step()  # the adapter trains: replicas updated and identical
     params = flat_params(ns["model"])
     assert same_on_every_rank(params) and not torch.equal(params, memo["initial"])
@@ -279,12 +281,49 @@ def run_page(page: str) -> None:
         with contextlib.redirect_stdout(out):
             exec(compile("\n" * fence_line(text, block) + block, str(path), "exec"), ns)
         check(ns, out.getvalue())
+    # the checks' own collectives (same_on_every_rank's all_gather) do not wait for gloo's
+    # worker to drop their tensors: one that does, last, keeps the exit from aborting
+    # ("terminate called without an active exception", docs/reliability.md "Process exit")
+    _drain()
     destroy()
     sys.stdout.write(f"{page}: {len(blocks)} python block(s) ran and checked on rank {rank()}\n")
     sys.stdout.flush()
 
 
 # ------------------------------------------------------------------ the tests
+#: Pages whose setup block picks the rank's device as the examples do.
+DEVICE_RULE_PAGES = ["README.md", "quickstart.md", "migration.md"]
+
+
+def device_rule(page: str) -> str:
+    """The lines of the page's setup block that decide ``device`` (and ``on_gpu``)."""
+    lines = page_path(page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("local_rank, local_ranks"))
+    return "\n".join(lines[start : start + 3])
+
+
+@pytest.mark.parametrize("page", DEVICE_RULE_PAGES)
+def test_doc_pages_choose_the_device_like_the_examples(page, monkeypatch):
+    """The rule users copy from the page gives :func:`choose_device`'s answer for every device
+    count (simulated), and every page shows the same rule."""
+    from oss_plus._launch import choose_device
+
+    rule = device_rule(page)
+    assert rule == device_rule(DEVICE_RULE_PAGES[0])
+    for gpus, ranks in [(g, r) for g in range(4) for r in range(1, 4)]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        for local_rank in range(ranks):
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+            ns: dict[str, Any] = {"os": os, "torch": torch}
+            exec(rule, ns)
+            choice = choose_device("auto", local_rank, ranks, gpus=gpus)
+            assert (ns["device"], "nccl" if ns["on_gpu"] else "gloo") == (
+                choice.device,
+                choice.backend,
+            ), (gpus, ranks, local_rank)
+
+
 def test_every_python_block_in_docs_is_run():
     counts = {p.name: len(python_blocks(p)) for p in [*DOCS.glob("*.md"), ROOT / "README.md"]}
     run = {**RUN_ELSEWHERE, **{page: len(checks) for page, checks in CHECKS.items()}}
@@ -295,7 +334,9 @@ def test_every_python_block_in_docs_is_run():
 def test_doc_page_python_blocks_run_under_torchrun(page, tmp_path):
     if page in NEEDS:
         pytest.importorskip(NEEDS[page], reason=f"{page} shows {NEEDS[page]}'s own classes")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # the checks build and compare CPU tensors: hide the GPUs, so that the pages take their
+    # CPU branch (gloo) on any machine; their device rule is checked above
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, page]
     proc = subprocess.run(
         [sys.executable, *args],

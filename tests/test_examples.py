@@ -1,4 +1,10 @@
-"""Run every example under torchrun on 2 gloo ranks, and the demo CLI, for a few steps."""
+"""Run every example under torchrun on 2 local ranks, and the demo CLI, for a few steps.
+
+The examples and the demo choose their device as users' scripts do
+(:func:`oss_plus._launch.choose_device`): a GPU per local rank under NCCL, else gloo on the
+CPU. The tests run them on the machine's own GPUs, so the expected fallback line comes from
+the device count in use; the choice itself is tested below with simulated device counts.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +13,105 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from helpers import run_python
+
+from oss_plus._launch import DeviceChoice, choose_device, visible_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+#: What the examples and the demo print first when GPUs exist but too few for 2 local ranks.
+FALLBACK = "GPU(s) for 2 local ranks: every rank runs on the CPU with gloo"
 
 
-def run(args: list[str], timeout: float = 180.0) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def run(args: list[str], timeout: float = 180.0, env: dict[str, str] | None = None) -> str:
+    env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return run_python(args, env=env, timeout=timeout).stdout
 
 
-def torchrun(script: str, *args: str, nproc: int = 2) -> str:
-    return run(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(EXAMPLES / script),
-            *args,
+def torchrun(script: str, *args: str, nproc: int = 2, env: dict[str, str] | None = None) -> str:
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return run([*launch, str(EXAMPLES / script), *args], env=env)
+
+
+def falls_back(nproc: int = 2) -> bool:
+    """Whether this machine's local ranks fall back to the CPU although it has GPUs."""
+    return 0 < visible_gpus() < nproc
+
+
+# ------------------------------------------------------------------ the device choice (pure)
+@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 8])
+@pytest.mark.parametrize("local_ranks", [1, 2, 4])
+def test_auto_takes_the_local_ranks_gpu_or_every_rank_falls_back(gpus, local_ranks):
+    choices = [choose_device("auto", r, local_ranks, gpus=gpus) for r in range(local_ranks)]
+    if gpus >= local_ranks:
+        assert choices == [
+            DeviceChoice(torch.device("cuda", r), "nccl") for r in range(local_ranks)
         ]
-    )
+        return
+    assert {(c.device, c.backend) for c in choices} == {(torch.device("cpu"), "gloo")}
+    notes = {c.note for c in choices}
+    assert len(notes) == 1 and "\n" not in notes.pop()  # one line, the same on every rank
+    assert all(bool(c.note) == (gpus > 0) for c in choices)  # said only when GPUs were there
+    assert all(f"{gpus} GPU(s) for {local_ranks} local ranks" in c.note for c in choices if gpus)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_device_flag_overrides_the_choice(gpus):
+    assert choose_device("cpu", 1, 2, gpus=gpus) == DeviceChoice(torch.device("cpu"), "gloo")
+    if gpus >= 2:
+        assert choose_device("cuda", 1, 2, gpus=gpus).device == torch.device("cuda", 1)
+    else:
+        with pytest.raises(
+            ValueError, match=f"2 local rank\\(s\\), {gpus} GPU\\(s\\); use --device cpu"
+        ):
+            choose_device("cuda", 1, 2, gpus=gpus)
+    with pytest.raises(ValueError, match="--device must be one of auto, cpu, cuda, got 'tpu'"):
+        choose_device("tpu", 0, 1, gpus=gpus)
+
+
+@pytest.mark.parametrize("available, count", [(False, 0), (True, 1), (True, 2)])
+def test_the_choice_reads_the_visible_devices(monkeypatch, available, count):
+    """Without ``gpus=``, the count is torch's (0 when CUDA is not available at all)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count if available else 5)
+    assert visible_gpus() == count
+    assert choose_device("auto", 1, 2).backend == ("nccl" if count >= 2 else "gloo")
+
+
+#: A sitecustomize that makes the device choice of every interpreter torchrun starts see one
+#: GPU (torch itself still sees none: its optimizers check CUDA graphs when CUDA is available).
+ONE_FAKE_GPU = """\
+import oss_plus._launch
+
+oss_plus._launch.visible_gpus = lambda: 1
+"""
+
+
+def test_examples_fall_back_to_gloo_on_the_cpu_with_one_gpu_for_two_ranks(tmp_path):
+    """The fallback end to end: torchrun's ranks see one GPU for two local ranks (simulated),
+    say so on one line from rank 0, and train on the CPU over gloo."""
+    (tmp_path / "sitecustomize.py").write_text(ONE_FAKE_GPU)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = run_python([*launch, str(EXAMPLES / "ddp_train.py"), "--steps", "2"], env=env)
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if "GPU(s)" in line] == [f"1 {FALLBACK} (one GPU per local "
+        "rank is needed for NCCL; --device to choose)"]  # fmt: skip
+    assert "rank 1: optimizer state for" in done.stdout
 
 
 def test_ddp_train_example():
     out = torchrun("ddp_train.py", "--steps", "3")
     assert "step    2" in out
     assert "rank 0: optimizer state for" in out and "rank 1: optimizer state for" in out
+    assert (FALLBACK in out) == falls_back()
+
+
+def test_device_cpu_flag_runs_on_the_cpu_without_a_note():
+    out = torchrun("ddp_train.py", "--steps", "1", "--device", "cpu")
+    assert "rank 1: optimizer state for" in out and FALLBACK not in out
 
 
 def test_amp_clip_example():
@@ -61,6 +138,21 @@ def test_demo_cli_reports_identical_losses():
     out = run(["-m", "oss_plus", "demo", "--steps", "4", "--width", "32", "--depth", "2"])
     assert "bit-identical to unsharded Adam on every rank: yes" in out
     assert "rank 1: optimizer state" in out
+    on_gpus = visible_gpus() >= 2
+    assert ("on 2 nccl ranks (cuda)" if on_gpus else "on 2 gloo ranks (cpu)") in out
+    assert out.startswith(f"{visible_gpus()} {FALLBACK}") == falls_back()
+
+
+def test_demo_device_flag_and_its_error():
+    out = run(["-m", "oss_plus", "demo", "--steps", "2", "--width", "16", "--depth", "1",
+               "--device", "cpu", "--amp"])  # fmt: skip
+    assert "on 2 gloo ranks" in out and "identical on every rank: yes" in out
+    if visible_gpus() < 2:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "-m", "oss_plus", "demo", "--device", "cuda"],
+                              env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "--device cuda needs one GPU per local rank" in done.stderr
 
 
 def test_cli_help_lists_every_subcommand():

@@ -222,6 +222,8 @@ def test_refresh_trainable_reroutes_to_the_new_owners(pool):
 
 # ----------------------------------------------------------------- DDP's attribute surface
 #: Public attributes of DDP (torch) and fairscale's ShardedDataParallel that ours lacks, and why.
+#: DDP's list depends on the torch version (torch 2.11 has no ``batched_grad_copy`` and no
+#: ``forward_sync_buffers``): the test expects the entries the installed DDP or fairscale has.
 ABSENT = {
     "batched_grad_copy": "DDP knob for copying grads into its buckets; owned grads are views",
     "broadcast_bucket_size": "DDP coalesces buffer broadcasts; buffers go one by one here",
@@ -293,10 +295,11 @@ def surface_task(ctx):
 def test_ddp_attribute_surface_with_each_absence_explained(pool):
     pytest.importorskip("fairscale")
     for names, values in pool.run(surface_task, world_size=2):
-        missing = (names["ddp"] | names["fs"]) - names["ours"]
-        assert missing == set(ABSENT), (
-            f"not explained: {sorted(missing - set(ABSENT))}; "
-            f"explained but present: {sorted(set(ABSENT) - missing)}"
+        theirs = names["ddp"] | names["fs"]
+        missing, explained = theirs - names["ours"], set(ABSENT) & theirs
+        assert missing == explained, (
+            f"not explained: {sorted(missing - explained)}; "
+            f"explained but present: {sorted(explained - missing)}"
         )
         assert names["fs"] <= names["ours"]
         for name in SAME_AS_DDP:

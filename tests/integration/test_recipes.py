@@ -28,8 +28,10 @@ def test_accelerate_save_state_and_load_state(run_recipe):
 
 
 def test_hf_trainer_with_a_consolidating_callback(run_recipe):
+    """transformers <= 5.17 fails the resume of a multi-process CPU run whatever the optimizer
+    (docs/integrations.md): the plain-AdamW control then turns the failure into a skip."""
     pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
-    run_recipe("hf_trainer")
+    run_recipe("hf_trainer", control={"RECIPE_OPTIMIZER": "plain"})
 
 
 def test_lightning_1_9_ddp_sharded_through_install(run_recipe):

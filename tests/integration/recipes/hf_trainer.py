@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
-from common import EPOCHS, LR, args, dataset, dump, tiny_model
+from common import EPOCHS, LR, args, dataset, dump, full_state, tiny_model
 from transformers import (
     PretrainedConfig,
     PreTrainedModel,
@@ -94,6 +94,21 @@ def sharded(model: TinyModel) -> OSS:
 # [/recipe]
 
 
+def optimizer_for(model: TinyModel) -> torch.optim.Optimizer:
+    """``sharded(model)``, or for the test's control run the plain optimizer, no oss_plus."""
+    if os.environ.get("RECIPE_OPTIMIZER") == "plain":
+        return torch.optim.Adam(model.parameters(), lr=LR)
+    return sharded(model)
+
+
+def trainer_with(model: TinyModel, optimizer: torch.optim.Optimizer, out: str) -> Trainer:
+    """``trainer_for``; without the consolidating callback for a plain optimizer."""
+    trainer = trainer_for(model, optimizer, out)
+    if not isinstance(optimizer, OSS):
+        trainer.remove_callback(ConsolidateBeforeSave)
+    return trainer
+
+
 class StopAfterFirstEpoch(TrainerCallback):
     """Ends the first run after its checkpoint at step 4 (a job that was interrupted)."""
 
@@ -112,18 +127,16 @@ def main() -> None:
         trainer.train()
         dump(f"{out}/reference.safetensors", model.net, reference.state_dict())
         model = TinyModel(TinyConfig())
-        trainer = trainer_for(model, sharded(model), ckpt_dir)
+        trainer = trainer_with(model, optimizer_for(model), ckpt_dir)
         trainer.add_callback(StopAfterFirstEpoch())
         trainer.train()
     else:
         training_arguments(ckpt_dir)  # torch.distributed first
         model = TinyModel(TinyConfig())
-        optimizer = sharded(model)
-        trainer = trainer_for(model, optimizer, ckpt_dir)
+        optimizer = optimizer_for(model)
+        trainer = trainer_with(model, optimizer, ckpt_dir)
         trainer.train(resume_from_checkpoint=os.path.join(ckpt_dir, "checkpoint-4"))
-        optimizer.consolidate_state_dict()
-        full = optimizer.state_dict() if optimizer.rank == 0 else None
-        dump(f"{out}/resumed.safetensors", model.net, full)
+        dump(f"{out}/resumed.safetensors", model.net, full_state(optimizer))
 
 
 if __name__ == "__main__":
