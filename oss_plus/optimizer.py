@@ -13,9 +13,7 @@ Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only t
 
 from __future__ import annotations
 
-import copy
 import logging
-import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,29 +22,18 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from oss_plus import _dist, _params, clip
-from oss_plus._layout import alignment
-from oss_plus.consolidate import whole_states
-from oss_plus.partition import ParamSpec, Rule
-from oss_plus.pieces import PieceTargets
+from oss_plus._params import PLANS_DIFFER
+from oss_plus.changes import ChangeDetector
+from oss_plus.partition import Rule
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
-from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
+from oss_plus.shard import LocalShard
+from oss_plus.state import ParamState, copy_hyper
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.sync import BucketSync, build_sync
 
-__all__ = ["NOT_CONSOLIDATED", "OSS"]
-
-#: Raised on every rank by a repartition when the ranks hold different shard plans.
-PLANS_DIFFER = (
-    "the ranks hold different shard plans (ranks with equal plans: {ranks}), so their state "
-    "and buckets would not match: every rank must repartition with the same plan. A "
-    "requires_grad change made on some ranks only gives different plans: freeze or unfreeze "
-    "the same params on every rank"
-)
+__all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 logger = logging.getLogger(__name__)
-
-#: Reads ``requires_grad`` at C speed when mapped over the params (no Python frame per param).
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class OSS(ShardedStateDict, Optimizer):
@@ -114,8 +101,6 @@ class OSS(ShardedStateDict, Optimizer):
     .. warning:: Collective: construct on every rank of ``group``.
     """
 
-    optim: Optimizer
-
     def __init__(
         self,
         params: Any,
@@ -142,32 +127,37 @@ class OSS(ShardedStateDict, Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.broadcast_dtype = broadcast_dtype
         self.force_broadcast_object = force_broadcast_object
-        self._optim_constructor = optim
         self._pinned = False
+        self._changes = ChangeDetector(self.world_size)
         error: Exception | None = None
         try:  # everything a rank may reject, agreed on by every rank below
             self._policy = _params.check_options(
                 optim, broadcast_dtype, shard_policy, partition_rule, auto_refresh
             )
             super().__init__(_params.normalize_params(params), defaults)
-            self._optim_defaults, fixed = _params.split_defaults(optim, defaults)
-            self._plan = self._make_plan()
-            self._targets = PieceTargets(self.flat_params(), self._plan, self.rank)
-            self.optim = self._build_local_optimizer({})
+            taken, fixed = _params.split_defaults(optim, defaults)
+            plan = self._make_plan()
+            self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
             error = exc
         _params.check_same_model(None if error else self.param_groups, error, self.group)
         copy_hyper(self.optim.param_groups, self.param_groups)
         self._sync = self._build_sync()
-        self._targets.point()
-        self._trainable = self._trainable_mask()
+        self._shard.targets.point()
+        self._changes.reset(self.flat_params())
         self._initialized = True
+
+    @property
+    def optim(self) -> Optimizer:
+        """The inner ``torch.optim`` optimizer over this rank's shard (rebuilt when the shard
+        changes)."""
+        return self._shard.optim
 
     @property
     def plan(self) -> ShardPlan:
         """The current shard plan (a frozen value; a new object after every repartition)."""
-        return self._plan
+        return self._shard.plan
 
     @property
     def policy(self) -> ShardPolicy:
@@ -187,8 +177,7 @@ class OSS(ShardedStateDict, Optimizer):
         tensors shaped like the param hold the piece's elements, 1-D
         (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
         """
-        index = {id(p): i for i, p in enumerate(self._targets.targets())}
-        return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
+        return self._shard.export()
 
     def import_local_state(
         self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
@@ -203,17 +192,7 @@ class OSS(ShardedStateDict, Optimizer):
         ``param_groups`` (state-dict form), their hyperparameters are loaded first. Not
         collective.
         """
-        if param_groups is not None:
-            copy_hyper(copy.deepcopy(param_groups), self.param_groups, exclude=("params",))
-        mine = {i: s for i, s in states.items() if self._plan.piece(self.rank, i) is not None}
-        local_sd = local_state_dict(
-            self.param_groups,
-            self._plan.local_indices(self.rank),
-            self._targets.slice_states(mine),
-            copy_tensors=True,
-        )
-        self.optim.load_state_dict(local_sd)
-        copy_hyper(self.optim.param_groups, self.param_groups)
+        self._shard.load(states, param_groups)
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
@@ -240,29 +219,9 @@ class OSS(ShardedStateDict, Optimizer):
             plan.check_fits([len(g["params"]) for g in self.param_groups], self.world_size)
         except ValueError as exc:
             error = exc
-        if self.world_size > 1:  # one small all_gather: a repartition is never per step
-            prints = _dist.agree(error, self.group, value=0 if error else plan.fingerprint())
-            if len(set(prints)) > 1:
-                groups: dict[int, list[int]] = {}
-                for rank, value in enumerate(prints):
-                    groups.setdefault(value, []).append(rank)
-                raise ValueError(PLANS_DIFFER.format(ranks=list(groups.values())))
-        elif error is not None:
-            raise error
+        _params.agree_plan(plan, error, self.group)  # raises on every rank before any move
         self._pinned = pin or self._pinned
-        copy_hyper(self.param_groups, self.optim.param_groups)
-        old, self._plan = self._plan, plan
-        changed = old.changed(plan)
-        if changed or old.local != plan.local:
-            local = self.export_local_state()
-            shapes = [p.shape for p in self.flat_params()]
-            arrived = whole_states(local, old, plan.holders(changed), shapes, self.group)
-            mine = set(plan.owned(self.rank)).difference(changed)
-            kept = {i: s for i, s in local.items() if i in mine}
-            self._targets = PieceTargets(self.flat_params(), plan, self.rank)
-            states = {**kept, **self._targets.slice_states(arrived)}
-            self.optim = self._build_local_optimizer(states)
-            copy_hyper(self.optim.param_groups, self.param_groups)
+        self._shard.adopt(plan, self.group)
         self.install_sync()
 
     @property
@@ -287,29 +246,14 @@ class OSS(ShardedStateDict, Optimizer):
         """
         if make is None and self._policy.rule is Rule.FLAT and self._initialized:
             plan = self._make_plan()
-            if plan != self._plan:
+            if plan != self.plan:
                 self.repartition(plan)  # moves the state, then installs the sync
                 return
         self._sync.release()
         self._sync = (make or self._build_sync)()
-        self._targets.point()
-        self._trainable = self._trainable_mask()
+        self._shard.targets.point()
+        self._changes.reset(self.flat_params())
         self.drop_consolidated()
-
-    def _specs(self) -> list[list[ParamSpec]]:
-        aligned = self._policy.aligned
-        return [
-            [
-                ParamSpec(
-                    p.numel(),
-                    p.requires_grad,
-                    key=f"{p.device}/{p.dtype}",
-                    align=alignment(p.device, p.dtype) if aligned else 1,
-                )
-                for p in g["params"]
-            ]
-            for g in self.param_groups
-        ]
 
     def _make_plan(self, keep: bool = False) -> ShardPlan:
         """Plan by the policy; with ``keep``, params already placed keep their owners.
@@ -317,47 +261,21 @@ class OSS(ShardedStateDict, Optimizer):
         A pinned plan (:meth:`repartition` with ``pin``) is kept as it is while the groups
         do not change.
         """
-        specs = self._specs()
+        specs = _params.param_specs(self.param_groups, self._policy.aligned)
         if self._pinned:
-            if self._plan.group_sizes == tuple(len(g) for g in specs):
-                return self._plan
+            if self.plan.group_sizes == tuple(len(g) for g in specs):
+                return self.plan
             keep = True
-        previous = self._plan if keep else None
+        previous = self.plan if keep else None
         return make_plan(specs, self.world_size, self._policy, keep=previous)
 
-    def _local_groups(self, rank: int | None = None) -> list[dict[str, Any]]:
-        """A rank's param groups: every global group, restricted to the params it owns (on
-        this rank, a split param is represented by this rank's piece of it)."""
-        mine = rank is None or rank == self.rank
-        indices = self._plan.local_indices(self.rank if rank is None else rank)
-        params = self._targets.targets() if mine else self.flat_params()
-        return local_groups(self.param_groups, indices, params)
-
-    def _build_local_optimizer(self, states: dict[int, ParamState]) -> Optimizer:
-        """Create the inner optimizer over this rank's shard and give it ``states``."""
-        inner = _params.build_inner(
-            self._optim_constructor, self._local_groups(), self._optim_defaults
-        )
-        place_states(inner, self._targets.targets(), states)
-        return inner
-
     def _build_sync(self) -> BucketSync:
-        return build_sync(self.flat_params(), self._plan, self._policy, self.group)
-
-    def _trainable_mask(self) -> list[bool]:
-        """Cache the flat params (the hot path's list) and return their trainability."""
-        self._flat = self.flat_params()
-        return list(map(_REQUIRES_GRAD, self._flat))
+        return build_sync(self.flat_params(), self.plan, self._policy, self.group)
 
     def _trainability_changed(self) -> bool:
-        """Whether a param's ``requires_grad`` changed since the layout was built.
-
-        At world size 1 the plan does not depend on trainability and nothing travels, so
-        nothing is checked; with ``auto_refresh`` False neither.
-        """
-        if self.world_size == 1 or not self.auto_refresh:
-            return False
-        return list(map(_REQUIRES_GRAD, self._flat)) != self._trainable
+        """Whether a param's ``requires_grad`` changed since the layout was built (nothing
+        is checked at world size 1, nor with ``auto_refresh`` False)."""
+        return self.auto_refresh and self._changes.trainability_changed()
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
@@ -366,13 +284,13 @@ class OSS(ShardedStateDict, Optimizer):
         and the params rank ``r`` owns (under the flat rule: holds a piece of; this rank's
         own entry lists its piece tensors in place of split params).
         """
-        return [self._local_groups(rank) for rank in range(self.world_size)]
+        return [self._shard.local_groups(rank) for rank in range(self.world_size)]
 
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
         """Map every param to the group-local rank that owns it (a split param: the owner of
         its first piece; ``plan.pieces`` has all of them)."""
-        return dict(zip(self.flat_params(), self._plan.owners))
+        return dict(zip(self.flat_params(), self.plan.owners))
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -421,14 +339,9 @@ class OSS(ShardedStateDict, Optimizer):
         """
         if self._trainability_changed():
             self.refresh_trainable()
-        if self._plan.split:
-            return self._clip_pieces(
-                max_norm, norm_type, filter_params_fn, group, error_if_nonfinite
-            )
-        owned_mask = [o == self.rank for o in self._plan.owners]
-        return clip.clip_owned_(
-            self.flat_params(),
-            owned_mask,
+        return clip.clip_by_plan_(
+            self.plan,
+            self._shard.targets,
             max_norm,
             norm_type,
             self.group,
@@ -436,43 +349,6 @@ class OSS(ShardedStateDict, Optimizer):
             group=group,
             error_if_nonfinite=error_if_nonfinite,
         )
-
-    def _clip_pieces(
-        self,
-        max_norm: float,
-        norm_type: float,
-        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None,
-        group: Any | None,
-        error_if_nonfinite: bool,
-    ) -> torch.Tensor:
-        """:meth:`clip_grad_norm` when params are split: each rank counts and scales the
-        gradient slices of its pieces (float64 partial sums, one ``all_reduce``)."""
-        params, targets = self.flat_params(), self._targets.targets()
-        owned = [self._plan.piece(self.rank, i) is not None for i in range(len(params))]
-        fn = None
-        if filter_params_fn is not None:  # the hook sees params, never pieces
-            user_fn = filter_params_fn
-            param_of = {id(t): p for t, p in zip(targets, params)}
-            target_of = {id(p): t for t, p in zip(targets, params)}
-
-            def fn(mine: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [target_of[id(p)] for p in user_fn([param_of[id(t)] for t in mine])]
-
-        self._targets.set_grads()
-        try:
-            return clip.clip_owned_(
-                targets,
-                owned,
-                max_norm,
-                norm_type,
-                self.group,
-                filter_params_fn=fn,
-                group=group,
-                error_if_nonfinite=error_if_nonfinite,
-                partial=True,
-            )
-        finally:
-            self._targets.clear_grads()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.
@@ -502,14 +378,14 @@ class OSS(ShardedStateDict, Optimizer):
         copy_hyper(self.param_groups, self.optim.param_groups)
         if closure is not None:
             kwargs["closure"] = closure
-        pieces = self._targets.tensors
-        if pieces:
-            self._targets.set_grads()
+        targets = self._shard.targets
+        if targets.tensors:
+            targets.set_grads()
         with torch.profiler.record_function("oss_plus::local_step"):
             loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
-        if pieces:
-            self._targets.clear_grads()
-            self._targets.given.clear()  # consumed
+        if targets.tensors:
+            targets.clear_grads()
+            targets.given.clear()  # consumed
         self._sync.sync(self.wire_dtype, error)  # raises on every rank if any rank failed
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
@@ -527,17 +403,17 @@ class OSS(ShardedStateDict, Optimizer):
         Raises:
             ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.
         """
-        self._targets.give(index, grad)
+        self._shard.targets.give(index, grad)
 
     def piece_grads(self) -> dict[int, torch.Tensor]:
         """The gradients handed over with :meth:`set_piece_grad`, by flat index (a new dict)."""
-        return dict(self._targets.given)
+        return dict(self._shard.targets.given)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; also drops (or zeroes) the gradients handed
         over with :meth:`set_piece_grad`."""
         super().zero_grad(set_to_none)
-        given = self._targets.given
+        given = self._shard.targets.given
         if given:
             if set_to_none:
                 given.clear()
@@ -560,10 +436,9 @@ class OSS(ShardedStateDict, Optimizer):
         if self._policy.rule is Rule.FLAT:  # the ranges move: cut again, move the state
             self.repartition(self._make_plan())
             return
-        self._plan = self._make_plan(keep=True)
-        self._targets = PieceTargets(self.flat_params(), self._plan, self.rank)  # none split
-        self.optim.add_param_group(self._local_groups()[-1])
-        copy_hyper(self.optim.param_groups, self.param_groups)
+        plan = self._make_plan(keep=True)
+        _params.agree_plan(plan, None, self.group)  # the totals depend on trainability
+        self._shard.add_group(plan)
         self.install_sync()
 
     def refresh_trainable(self) -> None:

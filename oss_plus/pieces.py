@@ -178,7 +178,8 @@ class PieceTargets:
 
     def __init__(self, params: Sequence[torch.Tensor], plan: ShardPlan, rank: int) -> None:
         self.rank = rank
-        self._params = list(params)
+        #: every param, by flat index
+        self.params = list(params)
         self.pieces: dict[int, tuple[int, int]] = {}
         for i in sorted(plan.split):
             piece = plan.piece(rank, i)
@@ -214,11 +215,11 @@ class PieceTargets:
 
     def _slice(self, index: int) -> torch.Tensor:
         start, end = self.pieces[index]
-        return self._params[index].data.view(-1)[start:end]
+        return self.params[index].data.view(-1)[start:end]
 
     def targets(self) -> list[torch.Tensor]:
         """Every param by flat index, a split one replaced by this rank's piece tensor."""
-        return [self.tensors.get(i, p) for i, p in enumerate(self._params)]
+        return [self.tensors.get(i, p) for i, p in enumerate(self.params)]
 
     @torch.no_grad()
     def point(self) -> None:
@@ -238,7 +239,7 @@ class PieceTargets:
             if i in given:
                 tensor.grad = given[i]
                 continue
-            param = self._params[i]
+            param = self.params[i]
             grad = param.grad
             if grad is None:
                 tensor.grad = None
@@ -257,6 +258,6 @@ class PieceTargets:
         """Return ``states`` (whole params' states by flat index) with every param this rank
         holds a piece of cut to its piece (:func:`slice_state`)."""
         return {
-            i: (slice_state(s, self._params[i].shape, *self.pieces[i]) if i in self.pieces else s)
+            i: (slice_state(s, self.params[i].shape, *self.pieces[i]) if i in self.pieces else s)
             for i, s in states.items()
         }

@@ -1,38 +1,21 @@
-"""Parameter synchronisation after the local step: transports and wire compression over
-ready-made bucket layouts (:mod:`oss_plus._layout`), and the step status that travels with
-them.
+"""Parameter synchronisation after the local step: the transfer of ready-made bucket layouts
+(:mod:`oss_plus._layout`) from their owners, with wire compression and the step status.
 
 :class:`BucketSync` receives the buckets of a layout and only moves their bytes; which
-layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by :func:`build_sync`.
-
-Transports (:class:`Transport`), chosen when the layout is built, identically on every rank:
-
-* ``broadcast``: one async broadcast per bucket from its owner. Works everywhere.
-* ``all_gather``: per (device, dtype) one flat buffer with an equal, padded region per rank
-  (the buckets are views of it) and one ``all_gather_single`` per buffer. The default for CUDA
-  buckets on NCCL (one collective per dtype instead of one per rank). Slow on gloo.
+layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by :func:`build_sync`, and
+which transport each bucket uses by :mod:`oss_plus.transport` (``broadcast`` from the owner,
+or one ``all_gather`` per (device, dtype)). The status each owner sends in its buckets is
+:mod:`oss_plus.status`.
 
 Every byte moves through ``torch.distributed`` collectives on the optimizer's group: oss_plus
 writes no transport of its own (a shared-memory path measured faster on one host, but it is
 a transport of our own that only works on one host, and it was removed).
-
-``transport="auto"`` picks the defaults above; the environment variable :data:`TRANSPORT_ENV`
-overrides ``auto`` (set it identically on every rank).
 
 Compression: when a wire dtype narrower than a bucket's dtype is requested (fp16/bf16), the
 owner copies its buffer into a preallocated wire buffer which is sent instead; receivers widen
 it into their buffer. The owner's own values are never rounded, so updates smaller than the
 wire format's resolution still accumulate on the owner, and replicas hold the owner's values
 rounded to the wire dtype until the next step.
-
-Step status: every flat bucket (and every rank's region of an ``all_gather`` buffer) ends
-with a status slot its owner sets to 1 when its local step raised. After the waits, every
-rank reads the slots of its peers with ONE device-to-host read (one slot per peer, gathered
-on the device first); when any is set (or this rank failed), every rank runs
-:func:`oss_plus._dist.agree`, which raises on all of them naming the failing rank(s). So a
-failure costs no collective in the common case. When some rank sends no slot (it owns no
-trainable param, or the layout is ``per_param``), that one ``agree`` (one ``all_gather``,
-one read) runs at every sync instead.
 
 World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
 storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
@@ -46,11 +29,9 @@ only for buckets that travel; later steps allocate nothing but the status read's
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +41,6 @@ from oss_plus import _dist
 from oss_plus._layout import (
     Bucket,
     Gather,
-    Key,
     Transport,
     alignment,
     bucket_numel,
@@ -71,15 +51,26 @@ from oss_plus._layout import (
 )
 from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
+from oss_plus.status import PeerSlots, any_set
+from oss_plus.transport import (
+    BAD_TRANSPORT,
+    TRANSPORT_ENV,
+    gathered_keys,
+    requested,
+    transport_override,
+)
 
 __all__ = [
     "Bucket",
     "BucketSync",
     "Transport",
     "alignment",
+    "BAD_TRANSPORT",
+    "TRANSPORT_ENV",
     "any_set",
     "bucket_numel",
     "build_sync",
+    "gathered_keys",
     "transport_override",
     "wire_dtype_for",
 ]
@@ -88,11 +79,6 @@ logger = logging.getLogger(__name__)
 
 #: Floating dtypes that may travel compressed, and the wire dtypes allowed.
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
-#: Environment variable overriding ``transport="auto"``: broadcast or all_gather.
-TRANSPORT_ENV = "OSS_PLUS_SYNC"
-#: Raised for an unknown transport name.
-BAD_TRANSPORT = "{where} must be one of 'auto', 'broadcast' or 'all_gather', got {value!r}"
-
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: Reads a tensor's address at C speed when mapped over the params (the re-allocation check).
 _DATA_PTR = torch.Tensor.data_ptr
@@ -113,81 +99,6 @@ def wire_dtype_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype 
     if wire is None or not dtype.is_floating_point or dtype.itemsize <= wire.itemsize:
         return None
     return wire
-
-
-def _requested(transport: Transport | str) -> Transport:
-    try:
-        value = Transport(transport)
-    except ValueError:
-        raise ValueError(BAD_TRANSPORT.format(where="transport", value=transport)) from None
-    env = os.environ.get(TRANSPORT_ENV, "")
-    if value is Transport.AUTO and env:
-        try:
-            value = Transport(env)
-        except ValueError:
-            raise ValueError(BAD_TRANSPORT.format(where=TRANSPORT_ENV, value=env)) from None
-    return value
-
-
-def _backend(group: Any) -> str:
-    return str(dist.get_backend(group)).lower()
-
-
-def gathered_keys(
-    params_by_owner: Sequence[Sequence[torch.Tensor]], transport: Transport | str, group: Any
-) -> list[Key]:
-    """Return the (device, dtype) keys whose buckets travel by ``all_gather``.
-
-    Raises:
-        ValueError: unknown ``transport`` (or value of :data:`TRANSPORT_ENV`).
-    """
-    requested = _requested(transport)
-    keys = list(
-        dict.fromkeys(
-            (str(p.device), p.dtype) for ps in params_by_owner for p in ps if p.requires_grad
-        )
-    )
-    if requested is Transport.ALL_GATHER:
-        return keys
-    world = dist.get_world_size(group)
-    if requested is Transport.AUTO and world > 1 and "nccl" in _backend(group):
-        return [k for k in keys if not k[0].startswith("cpu")]
-    return []
-
-
-def _slots(
-    buckets: Sequence[Bucket], gathers: Sequence[Gather], world_size: int
-) -> list[tuple[int, torch.Tensor]]:
-    """Return ``(rank, slot)`` for every status slot sent (the same list on every rank)."""
-    slots = [(rank, g.slot(rank)) for g in gathers if g.slots for rank in range(world_size)]
-    slots += [
-        (b.owner, b.slot) for b in buckets if b.slot is not None and b.via is Transport.BROADCAST
-    ]
-    return slots
-
-
-def _first_per_rank(slots: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-    first: dict[int, torch.Tensor] = {}
-    for rank, slot in slots:
-        first.setdefault(rank, slot)
-    return list(first.items())
-
-
-def any_set(slots: Sequence[torch.Tensor]) -> bool:
-    """Return whether any status slot is set, with at most one device-to-host read.
-
-    The slots (one element each, one device) are gathered on their device first, so the
-    host waits for the device once however many peers there are; no slots read nothing.
-
-    Example:
-        >>> any_set([torch.zeros(1), torch.ones(1)]), any_set([])
-        (True, False)
-    """
-    if not slots:
-        return False
-    if len(slots) == 1:
-        return bool(slots[0])
-    return bool(torch.cat(list(slots)).any())
 
 
 class Pending:
@@ -231,10 +142,7 @@ class BucketSync:
         self.buckets = list(buckets)
         self.gathers = list(gathers)
         self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
-        # every slot of an owner holds the same status after a sync: read one per rank
-        reporters = _first_per_rank(_slots(self.buckets, self.gathers, self.world_size))
-        self._peer_slots = [s for r, s in reporters if r != self.rank]
-        self._silent = len(reporters) < self.world_size
+        self.status = PeerSlots(self.buckets, self.gathers, self.rank, self.world_size)
         self._params = [p for b in self.buckets for p in b.params]
         self._ptrs = list(map(_DATA_PTR, self._params))
 
@@ -273,7 +181,7 @@ class BucketSync:
                 for p in bucket.params:
                     p.data = p.data.clone()
         self.buckets, self.gathers, self._broadcast, self._ptrs = [], [], [], []
-        self._params, self._peer_slots, self._silent = [], [], True
+        self._params, self.status = [], PeerSlots([], [], self.rank, self.world_size)
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
@@ -305,28 +213,13 @@ class BucketSync:
         self.settle(error)
 
     def settle(self, error: BaseException | None, buckets: Sequence[Bucket] | None = None) -> None:
-        """After the waits: raise on every rank if any rank's step raised.
-
-        Reads the status slots of the peers (every slot of ``buckets``, default: one per
-        rank of this layout) with one device-to-host read (:func:`any_set`); when one is set
-        or ``error`` is given, or some rank sent no slot, runs :func:`oss_plus._dist.agree`,
-        which raises on every rank naming the failing rank(s). At world size 1 it reads
-        nothing and re-raises ``error``.
+        """After the waits: raise on every rank if any rank's step raised (one device-to-host
+        read of the peers' slots of ``buckets``, default: of this layout; see
+        :meth:`oss_plus.status.PeerSlots.settle`).
 
         .. warning:: Collective: call on every rank of ``group`` after the same sends.
         """
-        if self.world_size == 1:
-            if error is not None:
-                raise error
-            return
-        if buckets is None:
-            peers, silent = self._peer_slots, self._silent
-        else:
-            slots = _slots(buckets, (), self.world_size)
-            peers = [s for r, s in slots if r != self.rank]
-            silent = len({r for r, _ in slots}) < self.world_size
-        if error is not None or silent or any_set(peers):
-            _dist.agree(error, self.group)
+        self.status.settle(error, self.group, buckets)
 
     def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Pending]:
         pending: list[Pending] = []
@@ -410,7 +303,7 @@ def build_sync(
         ValueError: unknown ``policy.transport`` (or value of :data:`TRANSPORT_ENV`).
     """
     if plan.world_size == 1 and not policy.single_rank_layout:
-        _requested(policy.transport)
+        requested(policy.transport)
         return BucketSync([], group)
     if plan.rule is Rule.FLAT:
         keys = gathered_keys([params], policy.transport, group)
@@ -421,7 +314,7 @@ def build_sync(
         keys = gathered_keys(by_owner, policy.transport, group)
         buckets, gathers = owner_buckets(by_owner, policy.aligned, keys)
         return BucketSync(buckets, group, gathers)
-    _requested(policy.transport)
+    requested(policy.transport)
     by_local = [
         [params[i] for indices in plan.local_indices(r) for i in indices]
         for r in range(plan.world_size)
@@ -429,24 +322,3 @@ def build_sync(
     if policy.layout is Layout.ORDERED_BUCKETS:
         return BucketSync(ordered_buckets(by_local), group)
     return BucketSync(per_param(by_local), group)
-
-
-@contextlib.contextmanager
-def transport_override(name: str | None) -> Iterator[None]:
-    """Within the block, ``transport="auto"`` means ``name`` (:data:`TRANSPORT_ENV`; None:
-    as configured). Syncs built inside keep their transport after the block.
-
-    Example:
-        >>> with transport_override("all_gather"):  # doctest: +SKIP
-        ...     opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
-    """
-    saved = os.environ.get(TRANSPORT_ENV)
-    if name is not None:
-        os.environ[TRANSPORT_ENV] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(TRANSPORT_ENV, None)
-        else:
-            os.environ[TRANSPORT_ENV] = saved

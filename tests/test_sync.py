@@ -17,6 +17,7 @@ from helpers import (
 from torch.profiler import ProfilerActivity, profile
 
 from oss_plus import OSS, sync
+from oss_plus.transport import requested
 from oss_plus._layout import owner_buckets
 from oss_plus.sync import (
     BAD_TRANSPORT,
@@ -42,17 +43,17 @@ def expected_via(kind, world_size):
 # ------------------------------------------------------------------ pure
 def test_transport_names_are_validated_and_the_env_var_overrides_auto(monkeypatch):
     monkeypatch.delenv(TRANSPORT_ENV, raising=False)
-    assert sync._requested("auto") is Transport.AUTO
-    assert sync._requested(Transport.ALL_GATHER) is Transport.ALL_GATHER
+    assert requested("auto") is Transport.AUTO
+    assert requested(Transport.ALL_GATHER) is Transport.ALL_GATHER
     with pytest.raises(ValueError, match="transport must be one of") as err:
-        sync._requested("nccl")
+        requested("nccl")
     assert str(err.value) == BAD_TRANSPORT.format(where="transport", value="nccl")
     monkeypatch.setenv(TRANSPORT_ENV, "broadcast")
-    assert sync._requested("auto") is Transport.BROADCAST
-    assert sync._requested("all_gather") is Transport.ALL_GATHER  # explicit beats the env
+    assert requested("auto") is Transport.BROADCAST
+    assert requested("all_gather") is Transport.ALL_GATHER  # explicit beats the env
     monkeypatch.setenv(TRANSPORT_ENV, "shm")  # no transport of our own
     with pytest.raises(ValueError, match=TRANSPORT_ENV):
-        sync._requested("auto")
+        requested("auto")
 
 
 def test_bucket_numel_pads_every_param_to_the_allocator_alignment():
