@@ -83,9 +83,11 @@ def clip_sharded_(
     *,
     group: Any,
     error_if_nonfinite: bool = False,
+    scale_all: bool = False,
 ) -> torch.Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` over all ``params``, each rank scaling the
-    gradients it owns; the total is bit-identical to torch's in fp32.
+    gradients it owns (every gradient it holds with ``scale_all``); the total is
+    bit-identical to torch's in fp32.
 
     Args:
         params: every param, in the same order on every rank of ``group``.
@@ -114,7 +116,9 @@ def clip_sharded_(
             norms = norms.index_select(0, keep)
         total = torch.linalg.vector_norm(norms, p)
         _check_finite(total, p, error_if_nonfinite)
-        grads = [q.grad for q, own in zip(params, owned) if own and q.grad is not None]
+        grads = [
+            q.grad for q, own in zip(params, owned) if (own or scale_all) and q.grad is not None
+        ]
         scale_grads_(grads, max_norm, total)
     return total.to(result_device(params))
 
@@ -193,18 +197,18 @@ def clip_owned_(
     filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
     group: Any | None = None,
     error_if_nonfinite: bool = False,
-    partial: bool = False,
+    scale_all: bool = False,
 ) -> torch.Tensor:
     """Clip the grads of a sharded optimizer (what :meth:`oss_plus.OSS.clip_grad_norm` runs).
 
     Over the optimizer's own group without a filter: :func:`clip_sharded_` (bit-identical to
-    torch's in fp32). Otherwise (or with ``partial``: ``params`` holds pieces of params, as
-    under the flat rule) partial sums over ``group`` (default the optimizer's) with
-    :func:`clip_grad_norm_`, counting ``filter_params_fn(owned)`` and scaling every owned grad.
+    torch's in fp32). Otherwise partial sums over ``group`` (default the optimizer's) with
+    :func:`clip_grad_norm_`, counting ``filter_params_fn(owned)`` and scaling every owned grad
+    (every grad of ``params`` with ``scale_all``).
 
     .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
     """
-    if not partial and filter_params_fn is None and (group is None or group is optimizer_group):
+    if filter_params_fn is None and (group is None or group is optimizer_group):
         return clip_sharded_(
             params,
             owned_mask,
@@ -212,12 +216,13 @@ def clip_owned_(
             norm_type,
             group=optimizer_group,
             error_if_nonfinite=error_if_nonfinite,
+            scale_all=scale_all,
         )
     owned = [p for p, own in zip(params, owned_mask) if own]
     counted = owned if filter_params_fn is None else list(filter_params_fn(list(owned)))
     wide = any(p.dtype == torch.float64 for p in params)
     return clip_grad_norm_(
-        owned,
+        params if scale_all else owned,
         max_norm,
         norm_type,
         group=optimizer_group if group is None else group,
@@ -255,34 +260,50 @@ def clip_by_plan_(
     filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
     group: Any | None = None,
     error_if_nonfinite: bool = False,
+    scale_all: bool = False,
 ) -> torch.Tensor:
     """What :meth:`oss_plus.OSS.clip_grad_norm` runs: every rank counts and scales what
-    ``plan`` gives it, with :func:`clip_owned_`.
+    ``plan`` gives it (:func:`clip_owned_`).
 
     When the plan splits params (the flat rule), each rank counts and scales the gradient
     slices of its pieces (``targets``: their gradients are slices of the params' gradients,
     or the pieces' handed-over ones), with float64 partial sums and one ``all_reduce``;
     ``filter_params_fn`` still sees params, never pieces.
 
+    With ``scale_all`` (this rank's ``requires_grad`` changed since the plan was made: the
+    next ``step()`` repartitions), the norm is the same but this rank scales every gradient
+    it holds, so that a param's new owner steps with a clipped gradient.
+
     .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
     """
-    rank, split = targets.rank, bool(plan.split)
-    held = [plan.piece(rank, i) is not None for i in range(len(plan.owners))]
-    fn = _piece_filter(targets, filter_params_fn) if split else filter_params_fn
-    if split:
-        targets.set_grads()
-    try:
+    rank = targets.rank
+    if not plan.split:
+        owned = [owner == rank for owner in plan.owners]
+        options = {"filter_params_fn": filter_params_fn, "group": group}
         return clip_owned_(
-            targets.targets(),
-            held,
+            targets.params, owned, max_norm, norm_type, optimizer_group, **options,
+            error_if_nonfinite=error_if_nonfinite, scale_all=scale_all,
+        )  # fmt: skip
+    stepped = targets.targets()
+    pieces = [t for i, t in enumerate(stepped) if plan.piece(rank, i) is not None]
+    fn = _piece_filter(targets, filter_params_fn)
+    targets.set_grads()
+    try:
+        counted = pieces if fn is None else list(fn(list(pieces)))
+        # with scale_all: the params' gradients (the pieces' are views of them) and the
+        # handed-over ones; else the pieces' own
+        given = [targets.tensors[i] for i in targets.given]
+        return clip_grad_norm_(
+            [*targets.params, *given] if scale_all else pieces,
             max_norm,
             norm_type,
-            optimizer_group,
-            filter_params_fn=fn,
-            group=group,
+            group=optimizer_group if group is None else group,
+            counted=counted,
             error_if_nonfinite=error_if_nonfinite,
-            partial=split,
+            dtype=torch.float64
+            if any(p.dtype == torch.float64 for p in stepped)
+            else torch.float32,
+            device=result_device(stepped),  # the same on every rank, owned grads or not
         )
     finally:
-        if split:
-            targets.clear_grads()
+        targets.clear_grads()

@@ -14,7 +14,7 @@ Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,11 +24,13 @@ from torch.optim import SGD, Optimizer
 from oss_plus import _dist, _params, clip
 from oss_plus._params import PLANS_DIFFER
 from oss_plus.changes import ChangeDetector
+from oss_plus.inflight import ForwardWaits, InFlight
 from oss_plus.partition import Rule
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.shard import LocalShard
 from oss_plus.state import ParamState, copy_hyper
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
+from oss_plus.status import FAILED, OK, REPLAN, StepStatus
 from oss_plus.sync import BucketSync, build_sync
 
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
@@ -129,6 +131,9 @@ class OSS(ShardedStateDict, Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._pinned = False
         self._changes = ChangeDetector(self.world_size)
+        self._status = StepStatus(self.group)
+        self._inflight: InFlight | None = None
+        self._waits: list[ForwardWaits] = []
         error: Exception | None = None
         try:  # everything a rank may reject, agreed on by every rank below
             self._policy = _params.check_options(
@@ -177,6 +182,7 @@ class OSS(ShardedStateDict, Optimizer):
         tensors shaped like the param hold the piece's elements, 1-D
         (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
         """
+        self._wait()
         return self._shard.export()
 
     def import_local_state(
@@ -192,6 +198,7 @@ class OSS(ShardedStateDict, Optimizer):
         ``param_groups`` (state-dict form), their hyperparameters are loaded first. Not
         collective.
         """
+        self._wait()
         self._shard.load(states, param_groups)
         self.drop_consolidated()
 
@@ -212,6 +219,7 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group`` with the same plan.
         """
+        self.settle()
         if plan is None:
             plan = self._make_plan()
         error: Exception | None = None
@@ -236,14 +244,17 @@ class OSS(ShardedStateDict, Optimizer):
         ``make()`` (default: the policy's layout) for the next steps.
 
         The object needs ``sync(wire_dtype, error)`` (raising on every rank when ``error``
-        is given on any rank), ``is_intact()`` and ``release()`` (see
-        :class:`oss_plus.sync.BucketSync`). The consolidated state is dropped.
+        is given on any rank), ``is_intact()`` and ``release()``; a
+        :class:`oss_plus.sync.BucketSync` is launched instead, its status checked at the
+        next check (:meth:`settle`). The last step is settled first; the consolidated
+        state is dropped.
 
         Under the flat rule the cut depends on the params' dtypes and devices: when they
         changed (``module.double()``), the default rebuild repartitions first.
 
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
         """
+        self.settle()
         if make is None and self._policy.rule is Rule.FLAT and self._initialized:
             plan = self._make_plan()
             if plan != self.plan:
@@ -337,8 +348,7 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if self._trainability_changed():
-            self.refresh_trainable()
+        self.settle()
         return clip.clip_by_plan_(
             self.plan,
             self._shard.targets,
@@ -348,6 +358,7 @@ class OSS(ShardedStateDict, Optimizer):
             filter_params_fn=filter_params_fn,
             group=group,
             error_if_nonfinite=error_if_nonfinite,
+            scale_all=self._trainability_changed(),  # the next step() repartitions
         )
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
@@ -368,16 +379,15 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if self._trainability_changed():
-            logger.info("trainable params changed: repartitioning")
-            self.refresh_trainable()
-        elif self.auto_refresh and not self._sync.is_intact():
-            logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
-            self.install_sync()
+        self.settle()
+        if self.auto_refresh and not self._follow_changes():
+            return None  # this rank's plan changed, not every rank's: see _replan_together
         self.drop_consolidated()
         copy_hyper(self.param_groups, self.optim.param_groups)
         if closure is not None:
             kwargs["closure"] = closure
+        if isinstance(self._sync, BucketSync):
+            self._sync.restore(self.wire_dtype)  # exact values of what went compressed
         targets = self._shard.targets
         if targets.tensors:
             targets.set_grads()
@@ -386,9 +396,132 @@ class OSS(ShardedStateDict, Optimizer):
         if targets.tensors:
             targets.clear_grads()
             targets.given.clear()  # consumed
-        self._sync.sync(self.wire_dtype, error)  # raises on every rank if any rank failed
+        self._send(error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
+
+    def settle(self) -> None:
+        """Finish the last step: wait for its parameter sync (still in flight after
+        :meth:`attach`), then raise on every rank what any rank's step reported.
+
+        Every rank raises what a step reported at the same call: the first check after that
+        step (this method, or the start of the next :meth:`step`, :meth:`clip_grad_norm`,
+        :meth:`consolidate_state_dict`, :meth:`refresh_trainable`, :meth:`repartition`,
+        :meth:`add_param_group`, :meth:`install_sync`, a checkpoint save or load; see
+        ``docs/design.md``, "When a step fails"). Call it right after :meth:`step` to raise
+        in that step's iteration (one host read of the peers' status). When nothing was
+        reported: no collective, no host read.
+
+        Raises:
+            Exception: a rank's last step raised (that rank's error there, elsewhere one of
+                the same type naming it).
+            ValueError: ``requires_grad`` changed on some ranks only before the last step
+                (:data:`oss_plus.status.TRAINABILITY_DIFFERS`).
+
+        .. warning:: Collective when a step failed: call on every rank of ``group``.
+        """
+        self._wait()
+        self._status.check()
+
+    def _wait(self) -> None:
+        """Wait for the sync still in flight, if any (not collective)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.wait()
+
+    def _send(self, error: Exception | None) -> None:
+        """Start the sync with this rank's status (raised on every rank at the next check);
+        wait for it unless it is overlapped with the next forward (:meth:`attach`). At world
+        size 1 the error is raised at once; an installed sync that is not a
+        :class:`~oss_plus.sync.BucketSync` checks at once (its ``sync(wire, error)`` raises
+        on every rank)."""
+        sync = self._sync
+        if self.world_size == 1 or not isinstance(sync, BucketSync):
+            sync.sync(self.wire_dtype, error)
+            return
+        code = OK if error is None else FAILED
+        if error is not None:
+            logger.warning("the local step raised %r; every rank raises at the next check", error)
+        self._inflight = inflight = sync.launch(self.wire_dtype, code)
+        self._status.sent(code, error, sync.status)
+        if not self._waits:
+            self._wait()
+            return
+        inflight.holding = sync.holding()  # the attached forwards wait bucket by bucket
+        for waits in self._waits:
+            inflight.wait_for_params(waits.uncovered)
+
+    def attach(self, model: torch.nn.Module) -> ForwardWaits:
+        """Overlap the parameter sync of every :meth:`step` with the next forward of ``model``.
+
+        After this call :meth:`step` starts the sync and returns without waiting for it; a
+        forward pre-hook on every module of ``model`` that owns params of this optimizer
+        waits, when the module is first called, for the transfers of the buckets holding
+        its params only (Megatron-Core's ``overlap_param_gather``). Params no module of
+        ``model`` owns are waited for before :meth:`step` returns. :meth:`settle`, the next
+        :meth:`step`, :meth:`clip_grad_norm`, the state-dict and checkpoint calls, a
+        repartition and :meth:`export_local_state` / :meth:`import_local_state` wait for
+        the rest first. :meth:`zero_grad` does not wait (it touches no param: waiting
+        there would serialise the usual ``step(); zero_grad(); forward`` loop). Results are
+        bit-identical to the blocking sync. Code that reads params outside the forward of
+        ``model`` between a step and the next forward must call :meth:`settle` first.
+
+        Args:
+            model: the module whose forward uses the params (e.g. the DDP module).
+
+        Returns:
+            The hooks; ``remove()`` them to make steps wait again. Not collective.
+
+        Example:
+            >>> opt.attach(model)  # doctest: +SKIP
+            >>> loss = model(x); loss.backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+        """
+        waits = ForwardWaits(model, self.flat_params(), self._wait_params, self._detach)
+        self._waits.append(waits)
+        return waits
+
+    def _detach(self, waits: ForwardWaits) -> None:
+        self._waits = [w for w in self._waits if w is not waits]
+        self._wait()
+
+    def _wait_params(self, params: Sequence[torch.Tensor]) -> None:
+        """A forward pre-hook of :meth:`attach`: wait for the transfers of ``params``."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.wait_for_params(params)
+
+    def _follow_changes(self) -> bool:
+        """Before the local step: a changed plan (``requires_grad``; the flat rule's cut
+        after a re-allocation) goes through :meth:`_replan_together`; params re-allocated otherwise
+        get a new layout (local: every rank's layout follows from the plan). Returns
+        whether the step goes on."""
+        if self._trainability_changed():
+            return self._replan_together()
+        if not self._sync.is_intact():
+            if self._policy.rule is Rule.FLAT and self._make_plan() != self.plan:
+                return self._replan_together()
+            logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
+            self.install_sync()
+        return True
+
+    def _replan_together(self) -> bool:
+        """This rank's plan changed: run the sync unstepped with :data:`REPLAN` and read every
+        rank's code now (the one host read, on this rare path only). When every rank sent it,
+        repartition together (agreeing on the plan) and go on with the step; else every rank
+        raises :data:`~oss_plus.status.TRAINABILITY_DIFFERS` at the next check (the others
+        stepped; this rank did not)."""
+        plan, sync = self._make_plan(), self._sync
+        if not isinstance(sync, BucketSync) or self.world_size == 1:
+            self.repartition(plan)
+            return True
+        sync.launch(self.wire_dtype, REPLAN).wait()
+        if all(code == REPLAN for code in sync.status.codes(REPLAN)):
+            logger.info("trainable params changed on every rank: repartitioning")
+            self.repartition(plan)
+            return True
+        logger.warning("requires_grad changed here, not on every rank: this rank skips the step")
+        self._status.sent(REPLAN, None, sync.status)
+        return False
 
     def set_piece_grad(self, index: int, grad: torch.Tensor | None) -> None:
         """Hand over the gradient of this rank's piece of the split param ``index``.
@@ -432,6 +565,7 @@ class OSS(ShardedStateDict, Optimizer):
         if not self._initialized:
             super().add_param_group(param_group)
             return
+        self.settle()
         super().add_param_group(_params.new_group(param_group, self.flat_params()))
         if self._policy.rule is Rule.FLAT:  # the ranges move: cut again, move the state
             self.repartition(self._make_plan())
