@@ -57,6 +57,7 @@ from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan
 
 __all__ = [
+    "ShardedClip",
     "BAD_MAX_NORM",
     "BAD_NORM_TYPE",
     "NONFINITE",
@@ -307,3 +308,68 @@ def clip_by_plan_(
         )
     finally:
         targets.clear_grads()
+
+
+class ShardedClip:
+    """``clip_grad_norm`` of :class:`oss_plus.OSS`, a mixin built on its extension contract
+    (``local_shard``, ``settle()``, ``trainability_changed()``, ``group``)."""
+
+    group: Any
+    # provided by oss_plus.OSS
+    local_shard: Any
+    settle: Callable[[], None]
+    trainability_changed: Callable[[], bool]
+
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
+        *,
+        group: Any | None = None,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
+
+        Each rank scales the gradients of the params it owns now (a trainability change is
+        repartitioned first, as :meth:`step` would); one ``all_reduce`` gives every rank the
+        same total. Over the optimizer's group without ``filter_params_fn`` the total is
+        bit-identical to ``torch.nn.utils.clip_grad_norm_`` in fp32 (exact to float32 on
+        bf16/fp16 grads); with ``group=`` or ``filter_params_fn``, float64 partial sums are
+        reduced instead. Ranks must agree on which params have a gradient (as under DDP).
+        See :mod:`oss_plus.clip`.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: ``p`` (> 0) or ``float('inf')``.
+            filter_params_fn: receives the params this rank owns, returns those to count
+                (fairscale's hook for model parallelism); every owned gradient is scaled.
+            group: reduce over this group instead of the optimizer's (model parallelism).
+            error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
+
+        Returns:
+            The total norm before clipping (float32; float64 for float64 models), on the
+            gradients' device on every path (gloo or NCCL), as ``clip_grad_norm_`` returns it.
+
+        Raises:
+            ValueError: bad ``norm_type`` or ``max_norm``.
+            RuntimeError: ``error_if_nonfinite`` and the total is not finite.
+
+        Example:
+            >>> scaler.unscale_(opt); opt.clip_grad_norm(1.0); scaler.step(opt)  # doctest: +SKIP
+
+        .. warning:: Collective: call on every rank of ``group``.
+        """
+        self.settle()
+        shard = self.local_shard
+        return clip_by_plan_(
+            shard.plan,
+            shard.targets,
+            max_norm,
+            norm_type,
+            self.group,
+            filter_params_fn=filter_params_fn,
+            group=group,
+            error_if_nonfinite=error_if_nonfinite,
+            scale_all=self.trainability_changed(),  # the next step() repartitions
+        )

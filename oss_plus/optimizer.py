@@ -14,23 +14,25 @@ Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist, _params, clip
+from oss_plus import _dist, _params
 from oss_plus._params import PLANS_DIFFER
 from oss_plus.changes import ChangeDetector
-from oss_plus.inflight import ForwardWaits, InFlight
+from oss_plus.clip import ShardedClip
+from oss_plus.inflight import ForwardWaits
 from oss_plus.partition import Rule
+from oss_plus.pieces import PieceGrads
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.shard import LocalShard
 from oss_plus.state import ParamState, copy_hyper
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
-from oss_plus.status import FAILED, OK, REPLAN, StepStatus
+from oss_plus.stepping import StepDriver
 from oss_plus.sync import BucketSync, build_sync
 
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
@@ -38,7 +40,7 @@ __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 logger = logging.getLogger(__name__)
 
 
-class OSS(ShardedStateDict, Optimizer):
+class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of
@@ -52,13 +54,10 @@ class OSS(ShardedStateDict, Optimizer):
         group: the process group to shard over (default: WORLD). It may be any subgroup,
             including one without global rank 0.
         broadcast_buffer_size: ignored; kept for fairscale compatibility.
-        broadcast_fp16: send parameters as fp16 on the wire. A plain attribute, read at every
-            step. The owner keeps exact values; other replicas receive rounded copies.
-            Only floating params wider than the wire dtype travel compressed (bf16/fp16
-            params are never upcast nor change dtype). After a compressed step, the params a
-            rank owns hold their exact values and every other param holds its owner's value
-            rounded to the wire dtype (fp16 turns magnitudes above 65504 into inf; bf16 does
-            not); the forward pass of each rank uses its own copy. See ``docs/amp.md``.
+        broadcast_fp16: send parameters as fp16 on the wire (a plain attribute, read at every
+            step). Floating params wider than the wire travel rounded; every replica, the
+            owner's too, holds the same rounded values, the owner keeps the exact ones in
+            a main copy (``docs/amp.md``).
         force_broadcast_object: ignored; kept for fairscale compatibility (state never
             travels as a pickled object here).
         partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1),
@@ -76,12 +75,10 @@ class OSS(ShardedStateDict, Optimizer):
             prior consolidation here is collective (frameworks calling it on every rank;
             ``docs/integrations.md``).
         auto_refresh: keyword-only, a plain attribute read at every step (default True):
-            :meth:`step` checks whether ``requires_grad`` changed (then repartitions, as
-            :meth:`refresh_trainable`) or params were re-allocated (``module.to()``, ``.data``
-            replaced; then rebuilds the sync, as :meth:`install_sync`). Both checks read one
-            attribute per param at C speed, and none runs at world size 1 (nothing travels).
-            With False, call those two methods yourself after such a change
-            (``docs/performance.md``, "Host cost of the step").
+            :meth:`step` follows ``requires_grad`` changes (repartitions on every rank, as
+            :meth:`refresh_trainable`) and re-allocated params (``module.to()``; lays them
+            out again, as :meth:`install_sync`); :mod:`oss_plus.changes` says what is read
+            when. With False, call those two methods yourself after such a change.
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
             **opt.defaults)`` with AdamW); any other unknown keyword raises TypeError.
@@ -131,9 +128,7 @@ class OSS(ShardedStateDict, Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._pinned = False
         self._changes = ChangeDetector(self.world_size)
-        self._status = StepStatus(self.group)
-        self._inflight: InFlight | None = None
-        self._waits: list[ForwardWaits] = []
+        self._driver = StepDriver(self.group, self.world_size)
         error: Exception | None = None
         try:  # everything a rank may reject, agreed on by every rank below
             self._policy = _params.check_options(
@@ -182,7 +177,7 @@ class OSS(ShardedStateDict, Optimizer):
         tensors shaped like the param hold the piece's elements, 1-D
         (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
         """
-        self._wait()
+        self._driver.wait()
         return self._shard.export()
 
     def import_local_state(
@@ -198,7 +193,7 @@ class OSS(ShardedStateDict, Optimizer):
         ``param_groups`` (state-dict form), their hyperparameters are loaded first. Not
         collective.
         """
-        self._wait()
+        self._driver.wait()
         self._shard.load(states, param_groups)
         self.drop_consolidated()
 
@@ -267,26 +262,16 @@ class OSS(ShardedStateDict, Optimizer):
         self.drop_consolidated()
 
     def _make_plan(self, keep: bool = False) -> ShardPlan:
-        """Plan by the policy; with ``keep``, params already placed keep their owners.
-
-        A pinned plan (:meth:`repartition` with ``pin``) is kept as it is while the groups
-        do not change.
-        """
-        specs = _params.param_specs(self.param_groups, self._policy.aligned)
-        if self._pinned:
-            if self.plan.group_sizes == tuple(len(g) for g in specs):
-                return self.plan
-            keep = True
-        previous = self.plan if keep else None
-        return make_plan(specs, self.world_size, self._policy, keep=previous)
+        """Plan by the policy; with ``keep``, params already placed keep their owners (a
+        pinned plan, :meth:`repartition` with ``pin``, is kept while the groups do not
+        change)."""
+        if not self._initialized:
+            specs = _params.param_specs(self.param_groups, self._policy.aligned)
+            return make_plan(specs, self.world_size, self._policy)
+        return self._shard.make_plan(self._policy, keep or self._pinned, self._pinned)
 
     def _build_sync(self) -> BucketSync:
         return build_sync(self.flat_params(), self.plan, self._policy, self.group)
-
-    def _trainability_changed(self) -> bool:
-        """Whether a param's ``requires_grad`` changed since the layout was built (nothing
-        is checked at world size 1, nor with ``auto_refresh`` False)."""
-        return self.auto_refresh and self._changes.trainability_changed()
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
@@ -308,58 +293,18 @@ class OSS(ShardedStateDict, Optimizer):
         """The dtype parameters travel as at the next step (None: their own)."""
         return torch.float16 if self.broadcast_fp16 else self.broadcast_dtype
 
-    def clip_grad_norm(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
-        *,
-        group: Any | None = None,
-        error_if_nonfinite: bool = False,
-    ) -> torch.Tensor:
-        """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
+    @property
+    def local_shard(self) -> LocalShard:
+        """This rank's :class:`~oss_plus.shard.LocalShard`: the plan, the tensors its inner
+        optimizer steps (whole params, or the pieces of split ones) and that optimizer."""
+        return self._shard
 
-        Each rank scales the gradients of the params it owns now (a trainability change is
-        repartitioned first, as :meth:`step` would); one ``all_reduce`` gives every rank the
-        same total. Over the optimizer's group without ``filter_params_fn`` the total is
-        bit-identical to ``torch.nn.utils.clip_grad_norm_`` in fp32 (exact to float32 on
-        bf16/fp16 grads); with ``group=`` or ``filter_params_fn``, float64 partial sums are
-        reduced instead. Ranks must agree on which params have a gradient (as under DDP).
-        See :mod:`oss_plus.clip`.
-
-        Args:
-            max_norm: the largest total norm allowed.
-            norm_type: ``p`` (> 0) or ``float('inf')``.
-            filter_params_fn: receives the params this rank owns, returns those to count
-                (fairscale's hook for model parallelism); every owned gradient is scaled.
-            group: reduce over this group instead of the optimizer's (model parallelism).
-            error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
-
-        Returns:
-            The total norm before clipping (float32; float64 for float64 models), on the
-            gradients' device on every path (gloo or NCCL), as ``clip_grad_norm_`` returns it.
-
-        Raises:
-            ValueError: bad ``norm_type`` or ``max_norm``.
-            RuntimeError: ``error_if_nonfinite`` and the total is not finite.
-
-        Example:
-            >>> scaler.unscale_(opt); opt.clip_grad_norm(1.0); scaler.step(opt)  # doctest: +SKIP
-
-        .. warning:: Collective: call on every rank of ``group``.
-        """
-        self.settle()
-        return clip.clip_by_plan_(
-            self.plan,
-            self._shard.targets,
-            max_norm,
-            norm_type,
-            self.group,
-            filter_params_fn=filter_params_fn,
-            group=group,
-            error_if_nonfinite=error_if_nonfinite,
-            scale_all=self._trainability_changed(),  # the next step() repartitions
-        )
+    def trainability_changed(self) -> bool:
+        """Whether ``requires_grad`` changed since the plan was made, as :meth:`step` reads it
+        (:mod:`oss_plus.changes`: a frozen param unfrozen at once, a freeze within a few
+        calls; never at world size 1 nor with ``auto_refresh`` False). Call it on every rank
+        alike: each call reads the next slice of the trainable params."""
+        return self.auto_refresh and self._changes.trainability_changed()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.
@@ -372,9 +317,10 @@ class OSS(ShardedStateDict, Optimizer):
             What the inner step returned (the closure's loss).
 
         Raises:
-            Exception: on every rank when the inner step (optimizer, closure, inner hooks)
-                raised on any: that rank's own error, elsewhere one naming it. The sync
-                completes first (replicas stay identical); nothing is undone (see
+            Exception: what the last step reported (raised first, on every rank: see
+                :meth:`settle`). A failure of this step's local step (optimizer, closure,
+                inner hooks) on any rank is raised on every rank at the next check (at
+                world size 1: here); the sync completes first and nothing is undone (see
                 ``docs/design.md``, "When a step fails").
 
         .. warning:: Collective: call on every rank of ``group``.
@@ -388,15 +334,8 @@ class OSS(ShardedStateDict, Optimizer):
             kwargs["closure"] = closure
         if isinstance(self._sync, BucketSync):
             self._sync.restore(self.wire_dtype)  # exact values of what went compressed
-        targets = self._shard.targets
-        if targets.tensors:
-            targets.set_grads()
-        with torch.profiler.record_function("oss_plus::local_step"):
-            loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
-        if targets.tensors:
-            targets.clear_grads()
-            targets.given.clear()  # consumed
-        self._send(error)
+        loss, error = self._shard.step(kwargs)
+        self._driver.send(self._sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
 
@@ -420,51 +359,22 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective when a step failed: call on every rank of ``group``.
         """
-        self._wait()
-        self._status.check()
-
-    def _wait(self) -> None:
-        """Wait for the sync still in flight, if any (not collective)."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight.wait()
-
-    def _send(self, error: Exception | None) -> None:
-        """Start the sync with this rank's status (raised on every rank at the next check);
-        wait for it unless it is overlapped with the next forward (:meth:`attach`). At world
-        size 1 the error is raised at once; an installed sync that is not a
-        :class:`~oss_plus.sync.BucketSync` checks at once (its ``sync(wire, error)`` raises
-        on every rank)."""
-        sync = self._sync
-        if self.world_size == 1 or not isinstance(sync, BucketSync):
-            sync.sync(self.wire_dtype, error)
-            return
-        code = OK if error is None else FAILED
-        if error is not None:
-            logger.warning("the local step raised %r; every rank raises at the next check", error)
-        self._inflight = inflight = sync.launch(self.wire_dtype, code)
-        self._status.sent(code, error, sync.status)
-        if not self._waits:
-            self._wait()
-            return
-        inflight.holding = sync.holding()  # the attached forwards wait bucket by bucket
-        for waits in self._waits:
-            inflight.wait_for_params(waits.uncovered)
+        self._driver.settle()
 
     def attach(self, model: torch.nn.Module) -> ForwardWaits:
         """Overlap the parameter sync of every :meth:`step` with the next forward of ``model``.
 
         After this call :meth:`step` starts the sync and returns without waiting for it; a
         forward pre-hook on every module of ``model`` that owns params of this optimizer
-        waits, when the module is first called, for the transfers of the buckets holding
-        its params only (Megatron-Core's ``overlap_param_gather``). Params no module of
-        ``model`` owns are waited for before :meth:`step` returns. :meth:`settle`, the next
+        waits, when the module is called, for the transfers of the buckets holding its
+        params only (Megatron-Core's ``overlap_param_gather``). Params no module of ``model``
+        owns are waited for before :meth:`step` returns. :meth:`settle`, the next
         :meth:`step`, :meth:`clip_grad_norm`, the state-dict and checkpoint calls, a
-        repartition and :meth:`export_local_state` / :meth:`import_local_state` wait for
-        the rest first. :meth:`zero_grad` does not wait (it touches no param: waiting
-        there would serialise the usual ``step(); zero_grad(); forward`` loop). Results are
-        bit-identical to the blocking sync. Code that reads params outside the forward of
-        ``model`` between a step and the next forward must call :meth:`settle` first.
+        repartition and :meth:`export_local_state` / :meth:`import_local_state` wait for the
+        rest first; :meth:`zero_grad` does not (it touches no param; waiting there would
+        serialise the usual ``step(); zero_grad(); forward`` loop). Results are bit-identical
+        to the blocking sync. Code that reads params outside the forward of ``model`` between
+        a step and the next forward must call :meth:`settle` first.
 
         Args:
             model: the module whose forward uses the params (e.g. the DDP module).
@@ -474,28 +384,16 @@ class OSS(ShardedStateDict, Optimizer):
 
         Example:
             >>> opt.attach(model)  # doctest: +SKIP
-            >>> loss = model(x); loss.backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+            >>> model(x).sum().backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
         """
-        waits = ForwardWaits(model, self.flat_params(), self._wait_params, self._detach)
-        self._waits.append(waits)
-        return waits
-
-    def _detach(self, waits: ForwardWaits) -> None:
-        self._waits = [w for w in self._waits if w is not waits]
-        self._wait()
-
-    def _wait_params(self, params: Sequence[torch.Tensor]) -> None:
-        """A forward pre-hook of :meth:`attach`: wait for the transfers of ``params``."""
-        inflight = self._inflight
-        if inflight is not None:
-            inflight.wait_for_params(params)
+        return self._driver.attach(model, self.flat_params())
 
     def _follow_changes(self) -> bool:
         """Before the local step: a changed plan (``requires_grad``; the flat rule's cut
         after a re-allocation) goes through :meth:`_replan_together`; params re-allocated otherwise
         get a new layout (local: every rank's layout follows from the plan). Returns
         whether the step goes on."""
-        if self._trainability_changed():
+        if self.trainability_changed():
             return self._replan_together()
         if not self._sync.is_intact():
             if self._policy.rule is Rule.FLAT and self._make_plan() != self.plan:
@@ -511,48 +409,11 @@ class OSS(ShardedStateDict, Optimizer):
         raises :data:`~oss_plus.status.TRAINABILITY_DIFFERS` at the next check (the others
         stepped; this rank did not)."""
         plan, sync = self._make_plan(), self._sync
-        if not isinstance(sync, BucketSync) or self.world_size == 1:
-            self.repartition(plan)
-            return True
-        sync.launch(self.wire_dtype, REPLAN).wait()
-        if all(code == REPLAN for code in sync.status.codes(REPLAN)):
-            logger.info("trainable params changed on every rank: repartitioning")
-            self.repartition(plan)
-            return True
-        logger.warning("requires_grad changed here, not on every rank: this rank skips the step")
-        self._status.sent(REPLAN, None, sync.status)
-        return False
-
-    def set_piece_grad(self, index: int, grad: torch.Tensor | None) -> None:
-        """Hand over the gradient of this rank's piece of the split param ``index``.
-
-        For a param the plan splits (``plan.split``, the flat rule), the next
-        :meth:`clip_grad_norm` and :meth:`step` use ``grad`` (1-D, the piece's length, the
-        param's dtype and device) instead of the slice of the param's ``.grad``, so a rank
-        need not hold the whole gradient of a param it holds only a piece of (ZeRO-2:
-        :class:`oss_plus.ShardedDataParallel`). ``ShardedGradScaler`` unscales and checks it
-        like a ``.grad``. :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
-
-        Raises:
-            ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.
-        """
-        self._shard.targets.give(index, grad)
-
-    def piece_grads(self) -> dict[int, torch.Tensor]:
-        """The gradients handed over with :meth:`set_piece_grad`, by flat index (a new dict)."""
-        return dict(self._shard.targets.given)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``; also drops (or zeroes) the gradients handed
-        over with :meth:`set_piece_grad`."""
-        super().zero_grad(set_to_none)
-        given = self._shard.targets.given
-        if given:
-            if set_to_none:
-                given.clear()
-            else:
-                for grad in given.values():
-                    grad.zero_()
+        if isinstance(sync, BucketSync) and not self._driver.replan(sync, self.wire_dtype):
+            return False
+        logger.info("trainable params changed on every rank: repartitioning")
+        self.repartition(plan)
+        return True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; params already placed keep their owner (and their state).

@@ -27,6 +27,7 @@ from oss_plus.plan import ShardPlan
 from oss_plus.state import ParamState
 
 __all__ = [
+    "PieceGrads",
     "ELEMENTWISE",
     "NOT_ELEMENTWISE",
     "PieceTargets",
@@ -227,6 +228,14 @@ class PieceTargets:
         for i, tensor in self.tensors.items():
             tensor.data = self._slice(i)
 
+    def zero_given(self, set_to_none: bool) -> None:
+        """Drop (or zero) the gradients handed over with :meth:`give` (``zero_grad``)."""
+        if set_to_none:
+            self.given.clear()
+        else:
+            for grad in self.given.values():
+                grad.zero_()
+
     def set_grads(self) -> None:
         """Give every piece tensor its gradient: one handed over (:meth:`give`), else the
         matching slice of its param's gradient (a view).
@@ -261,3 +270,35 @@ class PieceTargets:
             i: (slice_state(s, self.params[i].shape, *self.pieces[i]) if i in self.pieces else s)
             for i, s in states.items()
         }
+
+
+class PieceGrads:
+    """The gradients of the pieces of split params, a mixin of :class:`oss_plus.OSS` built
+    on its extension contract (``local_shard``): what ZeRO-2 hands to the flat rule."""
+
+    local_shard: Any  # provided by oss_plus.OSS
+
+    def set_piece_grad(self, index: int, grad: torch.Tensor | None) -> None:
+        """Hand over the gradient of this rank's piece of the split param ``index``.
+
+        For a param the plan splits (``plan.split``, the flat rule), the next
+        :meth:`clip_grad_norm` and :meth:`step` use ``grad`` (1-D, the piece's length, the
+        param's dtype and device) instead of the slice of the param's ``.grad``, so a rank
+        need not hold the whole gradient of a param it holds only a piece of (ZeRO-2:
+        :class:`oss_plus.ShardedDataParallel`). ``ShardedGradScaler`` unscales and checks it
+        like a ``.grad``. :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
+
+        Raises:
+            ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.
+        """
+        self.local_shard.targets.give(index, grad)
+
+    def piece_grads(self) -> dict[int, torch.Tensor]:
+        """The gradients handed over with :meth:`set_piece_grad`, by flat index (a new dict)."""
+        return dict(self.local_shard.targets.given)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; also drops (or zeroes) the gradients handed
+        over with :meth:`set_piece_grad`."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        self.local_shard.targets.zero_given(set_to_none)

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from oss_plus import _params
+from oss_plus import _dist, _params
 from oss_plus.consolidate import whole_states
 from oss_plus.pieces import PieceTargets
-from oss_plus.plan import ShardPlan
+from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
 
 __all__ = ["LocalShard"]
@@ -53,6 +53,30 @@ class LocalShard:
         self._defaults = defaults
         self.targets = PieceTargets(self.flat_params(), plan, rank)
         self.optim = self._build({})
+
+    def make_plan(self, policy: ShardPolicy, keep: bool, pinned: bool) -> ShardPlan:
+        """Plan again by ``policy`` (PURE planning on the params now); with ``keep`` params
+        already placed keep their owners; a ``pinned`` plan is kept while the groups do not
+        change."""
+        specs = _params.param_specs(self.param_groups, policy.aligned)
+        if pinned and self.plan.group_sizes == tuple(len(g) for g in specs):
+            return self.plan
+        world = self.plan.world_size
+        return make_plan(specs, world, policy, keep=self.plan if keep else None)
+
+    def step(self, kwargs: dict[str, Any]) -> tuple[Any, Exception | None]:
+        """The local step: the inner optimizer over this rank's tensors (a split param's
+        piece gets its gradient first). Returns its result and what it raised (captured:
+        the sync still runs, :func:`oss_plus._dist.capture`)."""
+        targets = self.targets
+        if targets.tensors:
+            targets.set_grads()
+        with torch.profiler.record_function("oss_plus::local_step"):
+            loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
+        if targets.tensors:
+            targets.clear_grads()
+            targets.given.clear()  # consumed
+        return loss, error
 
     def flat_params(self) -> list[torch.Tensor]:
         """Every param of every global group, in flat-index order (a new list)."""

@@ -22,6 +22,7 @@ from helpers import (
 
 import oss_plus
 from oss_plus import OSS
+from oss_plus.changes import WINDOWS
 
 #: Every class the flat rule accepts out of the box, with stateful settings.
 ELEMENTWISE = {
@@ -143,7 +144,7 @@ def test_load_state_dict_of_the_unsharded_optimizer(pool, world):
 
 
 def refresh_task(ctx):
-    """Freeze the first layer after 2 steps, add a group after 4: state follows the pieces."""
+    """Freeze the first layer after 2 steps, add a group later: state follows the pieces."""
     model = make_model(depth=4)
     extra = torch.nn.Linear(1, 1)
     ref_model, ref_extra = clone_model(model), clone_model(extra)
@@ -153,7 +154,7 @@ def refresh_task(ctx):
     cuts = [opt.plan.pieces]
     for m in (model, ref_model):
         m[0].weight.requires_grad_(False)
-    exact += train_in_lockstep(model, opt, ref_model, ref, 2)
+    exact += train_in_lockstep(model, opt, ref_model, ref, WINDOWS)  # a freeze: within WINDOWS
     cuts.append(opt.plan.pieces)
     opt.add_param_group({"params": list(extra.parameters()), "lr": 0.1})
     ref.add_param_group({"params": list(ref_extra.parameters()), "lr": 0.1})
