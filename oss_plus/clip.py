@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -188,17 +189,30 @@ def clip_grad_norm_(
     return total.to(result_device(params) if device is None else device)
 
 
+@dataclass(frozen=True)
+class ClipOptions:
+    """The options of :meth:`oss_plus.OSS.clip_grad_norm` beyond the norm itself.
+
+    Attributes:
+        filter_params_fn: fairscale's hook: which owned params count in the norm.
+        group: reduce over this group instead of the optimizer's.
+        error_if_nonfinite: raise on every rank when the total is NaN or inf.
+        scale_all: scale every gradient this rank holds, not only its own.
+    """
+
+    filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None
+    group: Any | None = None
+    error_if_nonfinite: bool = False
+    scale_all: bool = False
+
+
 def clip_owned_(
     params: list[torch.Tensor],
     owned_mask: Sequence[bool],
     max_norm: float,
     norm_type: float,
     optimizer_group: Any,
-    *,
-    filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
-    group: Any | None = None,
-    error_if_nonfinite: bool = False,
-    scale_all: bool = False,
+    options: ClipOptions = ClipOptions(),
 ) -> torch.Tensor:
     """Clip the grads of a sharded optimizer (what :meth:`oss_plus.OSS.clip_grad_norm` runs).
 
@@ -209,26 +223,27 @@ def clip_owned_(
 
     .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
     """
-    if filter_params_fn is None and (group is None or group is optimizer_group):
+    fn, group, nonfinite = options.filter_params_fn, options.group, options.error_if_nonfinite
+    if fn is None and (group is None or group is optimizer_group):
         return clip_sharded_(
             params,
             owned_mask,
             max_norm,
             norm_type,
             group=optimizer_group,
-            error_if_nonfinite=error_if_nonfinite,
-            scale_all=scale_all,
+            error_if_nonfinite=nonfinite,
+            scale_all=options.scale_all,
         )
     owned = [p for p, own in zip(params, owned_mask) if own]
-    counted = owned if filter_params_fn is None else list(filter_params_fn(list(owned)))
+    counted = owned if fn is None else list(fn(list(owned)))
     wide = any(p.dtype == torch.float64 for p in params)
     return clip_grad_norm_(
-        params if scale_all else owned,
+        params if options.scale_all else owned,
         max_norm,
         norm_type,
         group=optimizer_group if group is None else group,
         counted=counted,
-        error_if_nonfinite=error_if_nonfinite,
+        error_if_nonfinite=nonfinite,
         dtype=torch.float64 if wide else torch.float32,
         device=result_device(params),  # the same on every rank, owned grads or not
     )
@@ -257,11 +272,7 @@ def clip_by_plan_(
     max_norm: float,
     norm_type: float,
     optimizer_group: Any,
-    *,
-    filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
-    group: Any | None = None,
-    error_if_nonfinite: bool = False,
-    scale_all: bool = False,
+    options: ClipOptions = ClipOptions(),
 ) -> torch.Tensor:
     """What :meth:`oss_plus.OSS.clip_grad_norm` runs: every rank counts and scales what
     ``plan`` gives it (:func:`clip_owned_`).
@@ -280,30 +291,25 @@ def clip_by_plan_(
     rank = targets.rank
     if not plan.split:
         owned = [owner == rank for owner in plan.owners]
-        options = {"filter_params_fn": filter_params_fn, "group": group}
-        return clip_owned_(
-            targets.params, owned, max_norm, norm_type, optimizer_group, **options,
-            error_if_nonfinite=error_if_nonfinite, scale_all=scale_all,
-        )  # fmt: skip
+        return clip_owned_(targets.params, owned, max_norm, norm_type, optimizer_group, options)
     stepped = targets.targets()
     pieces = [t for i, t in enumerate(stepped) if plan.piece(rank, i) is not None]
-    fn = _piece_filter(targets, filter_params_fn)
+    fn = _piece_filter(targets, options.filter_params_fn)
     targets.set_grads()
     try:
         counted = pieces if fn is None else list(fn(list(pieces)))
         # with scale_all: the params' gradients (the pieces' are views of them) and the
         # handed-over ones; else the pieces' own
         given = [targets.tensors[i] for i in targets.given]
+        wide = any(p.dtype == torch.float64 for p in stepped)
         return clip_grad_norm_(
-            [*targets.params, *given] if scale_all else pieces,
+            [*targets.params, *given] if options.scale_all else pieces,
             max_norm,
             norm_type,
-            group=optimizer_group if group is None else group,
+            group=optimizer_group if options.group is None else options.group,
             counted=counted,
-            error_if_nonfinite=error_if_nonfinite,
-            dtype=torch.float64
-            if any(p.dtype == torch.float64 for p in stepped)
-            else torch.float32,
+            error_if_nonfinite=options.error_if_nonfinite,
+            dtype=torch.float64 if wide else torch.float32,
             device=result_device(stepped),  # the same on every rank, owned grads or not
         )
     finally:
@@ -362,14 +368,6 @@ class ShardedClip:
         """
         self.settle()
         shard = self.local_shard
-        return clip_by_plan_(
-            shard.plan,
-            shard.targets,
-            max_norm,
-            norm_type,
-            self.group,
-            filter_params_fn=filter_params_fn,
-            group=group,
-            error_if_nonfinite=error_if_nonfinite,
-            scale_all=self.trainability_changed(),  # the next step() repartitions
-        )
+        changed = self.trainability_changed()  # the next step() repartitions
+        options = ClipOptions(filter_params_fn, group, error_if_nonfinite, scale_all=changed)
+        return clip_by_plan_(shard.plan, shard.targets, max_norm, norm_type, self.group, options)
