@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oss_plus.main_copy import MainCopy
 from oss_plus.partition import flat_offsets
 
 __all__ = [
@@ -92,8 +93,10 @@ class Bucket:
     via: Transport = Transport.BROADCAST
     wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
     slot: torch.Tensor | None = field(init=False, repr=False)
-    #: the status last written into ``slot`` by this rank (slots start at 0)
-    status: bool = field(default=False, init=False, repr=False)
+    #: the status code last written into ``slot`` by this rank (slots start at 0)
+    status: int = field(default=0, init=False, repr=False)
+    #: the exact values of ``flat`` while this rank sends it compressed
+    main: MainCopy | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.flat is None:
@@ -117,8 +120,10 @@ class Gather:
     wire: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
     #: every region ends with its rank's status slot (False: the regions are all params)
     slots: bool = True
-    #: the status last written into this rank's slot (slots start at 0)
-    status: bool = field(default=False, init=False, repr=False)
+    #: the status code last written into this rank's slot (slots start at 0)
+    status: int = field(default=0, init=False, repr=False)
+    #: the exact values of this rank's region while it sends it compressed
+    main: MainCopy | None = field(default=None, init=False, repr=False)
 
     def slot(self, rank: int) -> torch.Tensor:
         """Return the status slot of ``rank`` (a 1-element view)."""

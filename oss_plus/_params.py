@@ -14,9 +14,18 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from oss_plus import _dist
-from oss_plus.partition import Rule
+from oss_plus._layout import alignment
+from oss_plus.partition import ParamSpec, Rule
 from oss_plus.pieces import is_elementwise, not_elementwise_message
-from oss_plus.plan import Layout, ShardPolicy
+from oss_plus.plan import Layout, ShardPlan, ShardPolicy
+
+#: Raised on every rank by a repartition when the ranks hold different shard plans.
+PLANS_DIFFER = (
+    "the ranks hold different shard plans (ranks with equal plans: {ranks}), so their state "
+    "and buckets would not match: every rank must repartition with the same plan. A "
+    "requires_grad change made on some ranks only gives different plans: freeze or unfreeze "
+    "the same params on every rank"
+)
 
 EMPTY_PARAMS = "oss_plus.OSS got an empty parameter list: pass model.parameters() or param groups"
 
@@ -313,3 +322,42 @@ def check_same_model(
         f"{other}: {first_difference(description, descriptions[other])}. Build "
         "the same model on every rank before creating the optimizer"
     )
+
+
+def param_specs(param_groups: Sequence[dict[str, Any]], aligned: bool) -> list[list[ParamSpec]]:
+    """What planning needs of every param, per group: size, trainability, (device, dtype) key
+    and alignment inside a bucket (1 when ``aligned`` is False)."""
+    return [
+        [
+            ParamSpec(
+                p.numel(),
+                p.requires_grad,
+                key=f"{p.device}/{p.dtype}",
+                align=alignment(p.device, p.dtype) if aligned else 1,
+            )
+            for p in g["params"]
+        ]
+        for g in param_groups
+    ]
+
+
+def agree_plan(plan: ShardPlan, error: Exception | None, group: Any) -> None:
+    """Raise on every rank when a rank failed to build ``plan`` or the ranks hold different
+    plans (:data:`PLANS_DIFFER`, the ranks grouped by plan); one small ``all_gather`` of the
+    plans' fingerprints (a repartition is never per step).
+
+    Raises:
+        ValueError: the plans differ (on every rank).
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    if dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    prints = _dist.agree(error, group, value=0 if error else plan.fingerprint())
+    if len(set(prints)) > 1:
+        groups: dict[int, list[int]] = {}
+        for rank, value in enumerate(prints):
+            groups.setdefault(value, []).append(rank)
+        raise ValueError(PLANS_DIFFER.format(ranks=list(groups.values())))

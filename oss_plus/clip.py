@@ -35,16 +35,34 @@ Nothing here reads a tensor on the host (no ``.item()``, no ``if`` on a tensor) 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from oss_plus import _dist
+from oss_plus._norms import (
+    BAD_MAX_NORM,
+    BAD_NORM_TYPE,
+    NONFINITE,
+    check_norm_type,
+    local_partial,
+    norms_and_presence,
+    reduce_partial,
+    result_device,
+    scale_grads_,
+    sharded_norms,
+)
+from oss_plus.pieces import PieceTargets
+from oss_plus.plan import ShardPlan
 
 __all__ = [
+    "ShardedClip",
+    "BAD_MAX_NORM",
+    "BAD_NORM_TYPE",
+    "NONFINITE",
+    "clip_by_plan_",
     "clip_grad_norm_",
     "result_device",
     "clip_owned_",
@@ -57,202 +75,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Added to the total norm before dividing, as torch's ``clip_grad_norm_`` does.
-EPS = 1e-6
-#: Devices whose ``torch._foreach_*`` kernels are used (others loop over tensors).
-_FOREACH_DEVICES = ("cpu", "cuda", "xpu")
-
-#: Raised on every rank when ``error_if_nonfinite=True`` and the total norm is NaN or inf.
-NONFINITE = (
-    "the total norm of order {norm_type} of the gradients is {total}: it can not be clipped. "
-    "A NaN/inf gradient usually means the loss scale is too high (ShardedGradScaler skips such "
-    "steps on every rank) or the model diverged; pass error_if_nonfinite=False to scale by the "
-    "non-finite norm anyway"
-)
-#: Raised for a ``norm_type`` that is not a positive number or inf.
-BAD_NORM_TYPE = (
-    "norm_type must be a positive number or inf (1.0, 2.0, float('inf'), ...), got {norm_type!r}"
-)
-#: Raised for a ``max_norm`` that is negative or NaN.
-BAD_MAX_NORM = "max_norm must be a non-negative number, got {max_norm!r}"
-
-
-def result_device(params: Sequence[torch.Tensor]) -> torch.device:
-    """Return where a clip returns its total: the device of the first gradient, as
-    ``torch.nn.utils.clip_grad_norm_`` does (the first param's when none has one).
-
-    Every rank computes the same device for the same params (a rank holding no gradient,
-    as under ZeRO-2, falls back to the params' device), whatever device the collectives use.
-
-    Example:
-        >>> result_device([torch.zeros(2)])
-        device(type='cpu')
-    """
-    for p in params:
-        if p.grad is not None:
-            return p.grad.device
-    return params[0].device if params else torch.device("cpu")
-
-
-def _check_norm_type(norm_type: Any) -> float:
-    try:
-        p = float(norm_type)
-    except (TypeError, ValueError):
-        raise ValueError(BAD_NORM_TYPE.format(norm_type=norm_type)) from None
-    if not p > 0:  # also rejects NaN
-        raise ValueError(BAD_NORM_TYPE.format(norm_type=norm_type))
-    return p
-
-
-_Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
-
-
-def _grouped(tensors: Iterable[torch.Tensor]) -> _Groups:
-    """Group tensors by (device, dtype), keeping their order inside each group."""
-    groups: _Groups = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
-
-
-def _tensor_norms(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
-    """Per-tensor ``p``-norms computed and returned in at least float32 (tensors of one
-    device and dtype)."""
-    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-    if tensors[0].device.type in _FOREACH_DEVICES:
-        return list(torch._foreach_norm(tensors, p, dtype=dtype))
-    return [torch.linalg.vector_norm(t, p, dtype=dtype) for t in tensors]
-
-
-@torch.no_grad()
-def local_partial(
-    grads: Sequence[torch.Tensor], norm_type: float, device: torch.device
-) -> torch.Tensor:
-    """Return this rank's contribution to the total norm, a float64 scalar on ``device``.
-
-    Pure (no communication). For a finite ``p`` the partial is ``sum(|g|**p)`` over every
-    element of ``grads``; for ``inf`` it is ``max(|g|)``. No gradients give 0.
-
-    Args:
-        grads: the gradients to count (any devices and floating dtypes).
-        norm_type: ``p`` (> 0) or ``inf``.
-        device: where the partial is returned (the device collectives use).
-
-    Returns:
-        A 0-dim float64 tensor on ``device``.
-
-    Example:
-        >>> local_partial([torch.tensor([3.0, 4.0])], 2.0, torch.device("cpu"))
-        tensor(25., dtype=torch.float64)
-    """
-    p = _check_norm_type(norm_type)
-    partial = torch.zeros((), dtype=torch.float64, device=device)
-    for tensors in _grouped(grads).values():
-        norms = torch.stack(_tensor_norms(tensors, p)).to(device=device, dtype=torch.float64)
-        if math.isinf(p):
-            partial = torch.maximum(partial, norms.max())  # maximum propagates NaN
-        else:
-            partial = partial + norms.pow(p).sum()
-    return partial
-
-
-def reduce_partial(partial: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
-    """All-reduce the partials of every rank of ``group`` into the total norm (float64).
-
-    One ``all_reduce``: SUM of the ``p``-th powers, or MAX for ``inf`` (with a NaN flag next
-    to the max, since a MAX reduction may drop NaN). Every rank gets the same total.
-
-    .. warning:: Collective: call on every rank of ``group``.
-    """
-    p = _check_norm_type(norm_type)
-    if math.isinf(p):
-        nan = partial.isnan()
-        packed = torch.stack([torch.where(nan, torch.zeros_like(partial), partial), nan.double()])
-        with _dist.released(group, packed):
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        return torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
-    total = partial.clone()
-    with _dist.released(group, total):
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    if p == 1.0:
-        return total
-    return total.sqrt() if p == 2.0 else total.pow(1.0 / p)
-
-
-@torch.no_grad()
-def scale_grads_(
-    grads: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor
-) -> torch.Tensor:
-    """Multiply ``grads`` in place by ``min(1, max_norm / (total + 1e-6))``; return that factor.
-
-    The factor is a tensor (clamped, never compared on the host), so nothing waits for the
-    device. A NaN total scales by NaN, as torch does.
-    """
-    coef = torch.clamp(max_norm / (total + EPS), max=1.0)
-    for (device, _), tensors in _grouped(grads).items():
-        factor = coef.to(device)
-        if device.type in _FOREACH_DEVICES:
-            torch._foreach_mul_(tensors, factor)
-        else:
-            for t in tensors:
-                t.mul_(factor)
-    return coef
-
-
-@torch.no_grad()
-def sharded_norms(
-    params: Sequence[torch.Tensor], owned: Sequence[bool], norm_type: float, group: Any
-) -> torch.Tensor:
-    """Return the float32 norm of every param's gradient, gathered with one ``all_reduce``.
-
-    Args:
-        params: every param, in the same (flat) order on every rank of ``group``.
-        owned: ``owned[i]`` is True on exactly one rank: the rank that measures ``params[i]``.
-        norm_type: ``p`` (> 0) or ``inf``.
-        group: the ranks that share ``params``.
-
-    Returns:
-        A float32 vector on the communication device; 0 where no rank measured a gradient.
-
-    .. warning:: Collective: call on every rank of ``group``.
-    """
-    return _norms_and_presence(params, owned, norm_type, group)[0]
-
-
-def _norms_and_presence(
-    params: Sequence[torch.Tensor], owned: Sequence[bool], norm_type: float, group: Any
-) -> tuple[torch.Tensor, list[int]]:
-    """:func:`sharded_norms`, plus the indices of the params whose owner holds a gradient.
-
-    A rank holding every gradient (DDP) knows the answer locally.
-
-    The owner's view decides (under ZeRO-2 only the owner holds the gradient); both travel
-    in the same ``all_reduce``.
-    """
-    p = _check_norm_type(norm_type)
-    device = _dist.comm_device(group)
-    count = len(params)
-    vector = torch.zeros(2 * count, dtype=torch.float32, device=device)
-    mine = [i for i, (q, own) in enumerate(zip(params, owned)) if own and q.grad is not None]
-    if mine:
-        vector[count + torch.tensor(mine, dtype=torch.long)] = 1.0
-    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in mine:
-        grad = params[i].grad
-        assert grad is not None
-        by_key.setdefault((grad.device, grad.dtype), []).append(i)
-    for indices in by_key.values():
-        grads = [params[i].grad for i in indices]
-        norms = _tensor_norms(grads, p)  # type: ignore[arg-type]
-        index = torch.tensor(indices, dtype=torch.long, device=device)
-        vector.index_copy_(0, index, torch.stack(norms).to(device=device, dtype=torch.float32))
-    with _dist.released(group, vector):
-        dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
-    if all(q.grad is not None for q in params):  # every rank holds every grad (DDP): no sync
-        return vector[:count], list(range(count))
-    present = [i for i, flag in enumerate(vector[count:].tolist()) if flag]
-    return vector[:count], present
-
 
 @torch.no_grad()
 def clip_sharded_(
@@ -263,9 +85,11 @@ def clip_sharded_(
     *,
     group: Any,
     error_if_nonfinite: bool = False,
+    scale_all: bool = False,
 ) -> torch.Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` over all ``params``, each rank scaling the
-    gradients it owns; the total is bit-identical to torch's in fp32.
+    gradients it owns (every gradient it holds with ``scale_all``); the total is
+    bit-identical to torch's in fp32.
 
     Args:
         params: every param, in the same order on every rank of ``group``.
@@ -285,16 +109,18 @@ def clip_sharded_(
 
     .. warning:: Collective: call on every rank of ``group``.
     """
-    p = _check_norm_type(norm_type)
+    p = check_norm_type(norm_type)
     max_norm = _check_max_norm(max_norm)
     with torch.profiler.record_function("oss_plus::clip_grad_norm"):
-        norms, with_grad = _norms_and_presence(params, owned, p, group)
+        norms, with_grad = norms_and_presence(params, owned, p, group)
         if len(with_grad) != len(params):
             keep = torch.tensor(with_grad, dtype=torch.long, device=norms.device)
             norms = norms.index_select(0, keep)
         total = torch.linalg.vector_norm(norms, p)
         _check_finite(total, p, error_if_nonfinite)
-        grads = [q.grad for q, own in zip(params, owned) if own and q.grad is not None]
+        grads = [
+            q.grad for q, own in zip(params, owned) if (own or scale_all) and q.grad is not None
+        ]
         scale_grads_(grads, max_norm, total)
     return total.to(result_device(params))
 
@@ -350,7 +176,7 @@ def clip_grad_norm_(
 
     .. warning:: Collective: call on every rank of ``group``.
     """
-    p = _check_norm_type(norm_type)
+    p = check_norm_type(norm_type)
     max_norm = _check_max_norm(max_norm)
     params = list(params)
     counted = params if counted is None else list(counted)
@@ -363,46 +189,185 @@ def clip_grad_norm_(
     return total.to(result_device(params) if device is None else device)
 
 
+@dataclass(frozen=True)
+class ClipOptions:
+    """The options of :meth:`oss_plus.OSS.clip_grad_norm` beyond the norm itself.
+
+    Attributes:
+        filter_params_fn: fairscale's hook: which owned params count in the norm.
+        group: reduce over this group instead of the optimizer's.
+        error_if_nonfinite: raise on every rank when the total is NaN or inf.
+        scale_all: scale every gradient this rank holds, not only its own.
+    """
+
+    filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None
+    group: Any | None = None
+    error_if_nonfinite: bool = False
+    scale_all: bool = False
+
+
 def clip_owned_(
     params: list[torch.Tensor],
     owned_mask: Sequence[bool],
     max_norm: float,
     norm_type: float,
     optimizer_group: Any,
-    *,
-    filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
-    group: Any | None = None,
-    error_if_nonfinite: bool = False,
-    partial: bool = False,
+    options: ClipOptions = ClipOptions(),
 ) -> torch.Tensor:
     """Clip the grads of a sharded optimizer (what :meth:`oss_plus.OSS.clip_grad_norm` runs).
 
     Over the optimizer's own group without a filter: :func:`clip_sharded_` (bit-identical to
-    torch's in fp32). Otherwise (or with ``partial``: ``params`` holds pieces of params, as
-    under the flat rule) partial sums over ``group`` (default the optimizer's) with
-    :func:`clip_grad_norm_`, counting ``filter_params_fn(owned)`` and scaling every owned grad.
+    torch's in fp32). Otherwise partial sums over ``group`` (default the optimizer's) with
+    :func:`clip_grad_norm_`, counting ``filter_params_fn(owned)`` and scaling every owned grad
+    (every grad of ``params`` with ``scale_all``).
 
     .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
     """
-    if not partial and filter_params_fn is None and (group is None or group is optimizer_group):
+    fn, group, nonfinite = options.filter_params_fn, options.group, options.error_if_nonfinite
+    if fn is None and (group is None or group is optimizer_group):
         return clip_sharded_(
             params,
             owned_mask,
             max_norm,
             norm_type,
             group=optimizer_group,
-            error_if_nonfinite=error_if_nonfinite,
+            error_if_nonfinite=nonfinite,
+            scale_all=options.scale_all,
         )
     owned = [p for p, own in zip(params, owned_mask) if own]
-    counted = owned if filter_params_fn is None else list(filter_params_fn(list(owned)))
+    counted = owned if fn is None else list(fn(list(owned)))
     wide = any(p.dtype == torch.float64 for p in params)
     return clip_grad_norm_(
-        owned,
+        params if options.scale_all else owned,
         max_norm,
         norm_type,
         group=optimizer_group if group is None else group,
         counted=counted,
-        error_if_nonfinite=error_if_nonfinite,
+        error_if_nonfinite=nonfinite,
         dtype=torch.float64 if wide else torch.float32,
         device=result_device(params),  # the same on every rank, owned grads or not
     )
+
+
+def _piece_filter(
+    targets: PieceTargets, user_fn: Callable[[list[torch.Tensor]], Any] | None
+) -> Callable[[list[torch.Tensor]], Any] | None:
+    """``user_fn`` (which sees params, fairscale's hook) made to take and give the tensors
+    this rank steps (a split param's piece in place of the param)."""
+    if user_fn is None:
+        return None
+    params, stepped = targets.params, targets.targets()
+    param_of = {id(t): p for t, p in zip(stepped, params)}
+    target_of = {id(p): t for t, p in zip(stepped, params)}
+
+    def fn(mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [target_of[id(p)] for p in user_fn([param_of[id(t)] for t in mine])]
+
+    return fn
+
+
+def clip_by_plan_(
+    plan: ShardPlan,
+    targets: PieceTargets,
+    max_norm: float,
+    norm_type: float,
+    optimizer_group: Any,
+    options: ClipOptions = ClipOptions(),
+) -> torch.Tensor:
+    """What :meth:`oss_plus.OSS.clip_grad_norm` runs: every rank counts and scales what
+    ``plan`` gives it (:func:`clip_owned_`).
+
+    When the plan splits params (the flat rule), each rank counts and scales the gradient
+    slices of its pieces (``targets``: their gradients are slices of the params' gradients,
+    or the pieces' handed-over ones), with float64 partial sums and one ``all_reduce``;
+    ``filter_params_fn`` still sees params, never pieces.
+
+    With ``scale_all`` (this rank's ``requires_grad`` changed since the plan was made: the
+    next ``step()`` repartitions), the norm is the same but this rank scales every gradient
+    it holds, so that a param's new owner steps with a clipped gradient.
+
+    .. warning:: Collective: call on every rank of ``group`` (default ``optimizer_group``).
+    """
+    rank = targets.rank
+    if not plan.split:
+        owned = [owner == rank for owner in plan.owners]
+        return clip_owned_(targets.params, owned, max_norm, norm_type, optimizer_group, options)
+    stepped = targets.targets()
+    pieces = [t for i, t in enumerate(stepped) if plan.piece(rank, i) is not None]
+    fn = _piece_filter(targets, options.filter_params_fn)
+    targets.set_grads()
+    try:
+        counted = pieces if fn is None else list(fn(list(pieces)))
+        # with scale_all: the params' gradients (the pieces' are views of them) and the
+        # handed-over ones; else the pieces' own
+        given = [targets.tensors[i] for i in targets.given]
+        wide = any(p.dtype == torch.float64 for p in stepped)
+        return clip_grad_norm_(
+            [*targets.params, *given] if options.scale_all else pieces,
+            max_norm,
+            norm_type,
+            group=optimizer_group if options.group is None else options.group,
+            counted=counted,
+            error_if_nonfinite=options.error_if_nonfinite,
+            dtype=torch.float64 if wide else torch.float32,
+            device=result_device(stepped),  # the same on every rank, owned grads or not
+        )
+    finally:
+        targets.clear_grads()
+
+
+class ShardedClip:
+    """``clip_grad_norm`` of :class:`oss_plus.OSS`, a mixin built on its extension contract
+    (``local_shard``, ``settle()``, ``trainability_changed()``, ``group``)."""
+
+    group: Any
+    # provided by oss_plus.OSS
+    local_shard: Any
+    settle: Callable[[], None]
+    trainability_changed: Callable[[], bool]
+
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
+        *,
+        group: Any | None = None,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
+
+        Each rank scales the gradients of the params it owns now (a trainability change is
+        repartitioned first, as :meth:`step` would); one ``all_reduce`` gives every rank the
+        same total. Over the optimizer's group without ``filter_params_fn`` the total is
+        bit-identical to ``torch.nn.utils.clip_grad_norm_`` in fp32 (exact to float32 on
+        bf16/fp16 grads); with ``group=`` or ``filter_params_fn``, float64 partial sums are
+        reduced instead. Ranks must agree on which params have a gradient (as under DDP).
+        See :mod:`oss_plus.clip`.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: ``p`` (> 0) or ``float('inf')``.
+            filter_params_fn: receives the params this rank owns, returns those to count
+                (fairscale's hook for model parallelism); every owned gradient is scaled.
+            group: reduce over this group instead of the optimizer's (model parallelism).
+            error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
+
+        Returns:
+            The total norm before clipping (float32; float64 for float64 models), on the
+            gradients' device on every path (gloo or NCCL), as ``clip_grad_norm_`` returns it.
+
+        Raises:
+            ValueError: bad ``norm_type`` or ``max_norm``.
+            RuntimeError: ``error_if_nonfinite`` and the total is not finite.
+
+        Example:
+            >>> scaler.unscale_(opt); opt.clip_grad_norm(1.0); scaler.step(opt)  # doctest: +SKIP
+
+        .. warning:: Collective: call on every rank of ``group``.
+        """
+        self.settle()
+        shard = self.local_shard
+        changed = self.trainability_changed()  # the next step() repartitions
+        options = ClipOptions(filter_params_fn, group, error_if_nonfinite, scale_all=changed)
+        return clip_by_plan_(shard.plan, shard.targets, max_norm, norm_type, self.group, options)

@@ -13,9 +13,7 @@ Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only t
 
 from __future__ import annotations
 
-import copy
 import logging
-import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,33 +21,26 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist, _params, clip
-from oss_plus._layout import alignment
-from oss_plus.consolidate import whole_states
-from oss_plus.partition import ParamSpec, Rule
-from oss_plus.pieces import PieceTargets
+from oss_plus import _dist, _params
+from oss_plus._params import PLANS_DIFFER
+from oss_plus.changes import ChangeDetector
+from oss_plus.clip import ShardedClip
+from oss_plus.inflight import ForwardWaits
+from oss_plus.partition import Rule
+from oss_plus.pieces import PieceGrads
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
-from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
+from oss_plus.shard import LocalShard
+from oss_plus.state import ParamState, copy_hyper
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
+from oss_plus.stepping import StepDriver
 from oss_plus.sync import BucketSync, build_sync
 
-__all__ = ["NOT_CONSOLIDATED", "OSS"]
-
-#: Raised on every rank by a repartition when the ranks hold different shard plans.
-PLANS_DIFFER = (
-    "the ranks hold different shard plans (ranks with equal plans: {ranks}), so their state "
-    "and buckets would not match: every rank must repartition with the same plan. A "
-    "requires_grad change made on some ranks only gives different plans: freeze or unfreeze "
-    "the same params on every rank"
-)
+__all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 logger = logging.getLogger(__name__)
 
-#: Reads ``requires_grad`` at C speed when mapped over the params (no Python frame per param).
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
-
-class OSS(ShardedStateDict, Optimizer):
+class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of
@@ -63,13 +54,10 @@ class OSS(ShardedStateDict, Optimizer):
         group: the process group to shard over (default: WORLD). It may be any subgroup,
             including one without global rank 0.
         broadcast_buffer_size: ignored; kept for fairscale compatibility.
-        broadcast_fp16: send parameters as fp16 on the wire. A plain attribute, read at every
-            step. The owner keeps exact values; other replicas receive rounded copies.
-            Only floating params wider than the wire dtype travel compressed (bf16/fp16
-            params are never upcast nor change dtype). After a compressed step, the params a
-            rank owns hold their exact values and every other param holds its owner's value
-            rounded to the wire dtype (fp16 turns magnitudes above 65504 into inf; bf16 does
-            not); the forward pass of each rank uses its own copy. See ``docs/amp.md``.
+        broadcast_fp16: send parameters as fp16 on the wire (a plain attribute, read at every
+            step). Floating params wider than the wire travel rounded; every replica, the
+            owner's too, holds the same rounded values, the owner keeps the exact ones in
+            a main copy (``docs/amp.md``).
         force_broadcast_object: ignored; kept for fairscale compatibility (state never
             travels as a pickled object here).
         partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1),
@@ -87,12 +75,10 @@ class OSS(ShardedStateDict, Optimizer):
             prior consolidation here is collective (frameworks calling it on every rank;
             ``docs/integrations.md``).
         auto_refresh: keyword-only, a plain attribute read at every step (default True):
-            :meth:`step` checks whether ``requires_grad`` changed (then repartitions, as
-            :meth:`refresh_trainable`) or params were re-allocated (``module.to()``, ``.data``
-            replaced; then rebuilds the sync, as :meth:`install_sync`). Both checks read one
-            attribute per param at C speed, and none runs at world size 1 (nothing travels).
-            With False, call those two methods yourself after such a change
-            (``docs/performance.md``, "Host cost of the step").
+            :meth:`step` follows ``requires_grad`` changes (repartitions on every rank, as
+            :meth:`refresh_trainable`) and re-allocated params (``module.to()``; lays them
+            out again, as :meth:`install_sync`); :mod:`oss_plus.changes` says what is read
+            when. With False, call those two methods yourself after such a change.
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
             **opt.defaults)`` with AdamW); any other unknown keyword raises TypeError.
@@ -113,8 +99,6 @@ class OSS(ShardedStateDict, Optimizer):
 
     .. warning:: Collective: construct on every rank of ``group``.
     """
-
-    optim: Optimizer
 
     def __init__(
         self,
@@ -142,32 +126,38 @@ class OSS(ShardedStateDict, Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.broadcast_dtype = broadcast_dtype
         self.force_broadcast_object = force_broadcast_object
-        self._optim_constructor = optim
         self._pinned = False
+        self._changes = ChangeDetector(self.world_size)
+        self._driver = StepDriver(self.group, self.world_size)
         error: Exception | None = None
         try:  # everything a rank may reject, agreed on by every rank below
             self._policy = _params.check_options(
                 optim, broadcast_dtype, shard_policy, partition_rule, auto_refresh
             )
             super().__init__(_params.normalize_params(params), defaults)
-            self._optim_defaults, fixed = _params.split_defaults(optim, defaults)
-            self._plan = self._make_plan()
-            self._targets = PieceTargets(self.flat_params(), self._plan, self.rank)
-            self.optim = self._build_local_optimizer({})
+            taken, fixed = _params.split_defaults(optim, defaults)
+            plan = self._make_plan()
+            self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
             error = exc
         _params.check_same_model(None if error else self.param_groups, error, self.group)
         copy_hyper(self.optim.param_groups, self.param_groups)
         self._sync = self._build_sync()
-        self._targets.point()
-        self._trainable = self._trainable_mask()
+        self._shard.targets.point()
+        self._changes.reset(self.flat_params())
         self._initialized = True
+
+    @property
+    def optim(self) -> Optimizer:
+        """The inner ``torch.optim`` optimizer over this rank's shard (rebuilt when the shard
+        changes)."""
+        return self._shard.optim
 
     @property
     def plan(self) -> ShardPlan:
         """The current shard plan (a frozen value; a new object after every repartition)."""
-        return self._plan
+        return self._shard.plan
 
     @property
     def policy(self) -> ShardPolicy:
@@ -187,8 +177,8 @@ class OSS(ShardedStateDict, Optimizer):
         tensors shaped like the param hold the piece's elements, 1-D
         (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
         """
-        index = {id(p): i for i, p in enumerate(self._targets.targets())}
-        return {index[id(p)]: dict(s) for p, s in self.optim.state.items() if s}
+        self._driver.wait()
+        return self._shard.export()
 
     def import_local_state(
         self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
@@ -203,17 +193,8 @@ class OSS(ShardedStateDict, Optimizer):
         ``param_groups`` (state-dict form), their hyperparameters are loaded first. Not
         collective.
         """
-        if param_groups is not None:
-            copy_hyper(copy.deepcopy(param_groups), self.param_groups, exclude=("params",))
-        mine = {i: s for i, s in states.items() if self._plan.piece(self.rank, i) is not None}
-        local_sd = local_state_dict(
-            self.param_groups,
-            self._plan.local_indices(self.rank),
-            self._targets.slice_states(mine),
-            copy_tensors=True,
-        )
-        self.optim.load_state_dict(local_sd)
-        copy_hyper(self.optim.param_groups, self.param_groups)
+        self._driver.wait()
+        self._shard.load(states, param_groups)
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
@@ -233,6 +214,7 @@ class OSS(ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group`` with the same plan.
         """
+        self.settle()
         if plan is None:
             plan = self._make_plan()
         error: Exception | None = None
@@ -240,29 +222,9 @@ class OSS(ShardedStateDict, Optimizer):
             plan.check_fits([len(g["params"]) for g in self.param_groups], self.world_size)
         except ValueError as exc:
             error = exc
-        if self.world_size > 1:  # one small all_gather: a repartition is never per step
-            prints = _dist.agree(error, self.group, value=0 if error else plan.fingerprint())
-            if len(set(prints)) > 1:
-                groups: dict[int, list[int]] = {}
-                for rank, value in enumerate(prints):
-                    groups.setdefault(value, []).append(rank)
-                raise ValueError(PLANS_DIFFER.format(ranks=list(groups.values())))
-        elif error is not None:
-            raise error
+        _params.agree_plan(plan, error, self.group)  # raises on every rank before any move
         self._pinned = pin or self._pinned
-        copy_hyper(self.param_groups, self.optim.param_groups)
-        old, self._plan = self._plan, plan
-        changed = old.changed(plan)
-        if changed or old.local != plan.local:
-            local = self.export_local_state()
-            shapes = [p.shape for p in self.flat_params()]
-            arrived = whole_states(local, old, plan.holders(changed), shapes, self.group)
-            mine = set(plan.owned(self.rank)).difference(changed)
-            kept = {i: s for i, s in local.items() if i in mine}
-            self._targets = PieceTargets(self.flat_params(), plan, self.rank)
-            states = {**kept, **self._targets.slice_states(arrived)}
-            self.optim = self._build_local_optimizer(states)
-            copy_hyper(self.optim.param_groups, self.param_groups)
+        self._shard.adopt(plan, self.group)
         self.install_sync()
 
     @property
@@ -277,87 +239,39 @@ class OSS(ShardedStateDict, Optimizer):
         ``make()`` (default: the policy's layout) for the next steps.
 
         The object needs ``sync(wire_dtype, error)`` (raising on every rank when ``error``
-        is given on any rank), ``is_intact()`` and ``release()`` (see
-        :class:`oss_plus.sync.BucketSync`). The consolidated state is dropped.
+        is given on any rank), ``is_intact()`` and ``release()``; a
+        :class:`oss_plus.sync.BucketSync` is launched instead, its status checked at the
+        next check (:meth:`settle`). The last step is settled first; the consolidated
+        state is dropped.
 
         Under the flat rule the cut depends on the params' dtypes and devices: when they
         changed (``module.double()``), the default rebuild repartitions first.
 
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
         """
+        self.settle()
         if make is None and self._policy.rule is Rule.FLAT and self._initialized:
             plan = self._make_plan()
-            if plan != self._plan:
+            if plan != self.plan:
                 self.repartition(plan)  # moves the state, then installs the sync
                 return
         self._sync.release()
         self._sync = (make or self._build_sync)()
-        self._targets.point()
-        self._trainable = self._trainable_mask()
+        self._shard.targets.point()
+        self._changes.reset(self.flat_params())
         self.drop_consolidated()
 
-    def _specs(self) -> list[list[ParamSpec]]:
-        aligned = self._policy.aligned
-        return [
-            [
-                ParamSpec(
-                    p.numel(),
-                    p.requires_grad,
-                    key=f"{p.device}/{p.dtype}",
-                    align=alignment(p.device, p.dtype) if aligned else 1,
-                )
-                for p in g["params"]
-            ]
-            for g in self.param_groups
-        ]
-
     def _make_plan(self, keep: bool = False) -> ShardPlan:
-        """Plan by the policy; with ``keep``, params already placed keep their owners.
-
-        A pinned plan (:meth:`repartition` with ``pin``) is kept as it is while the groups
-        do not change.
-        """
-        specs = self._specs()
-        if self._pinned:
-            if self._plan.group_sizes == tuple(len(g) for g in specs):
-                return self._plan
-            keep = True
-        previous = self._plan if keep else None
-        return make_plan(specs, self.world_size, self._policy, keep=previous)
-
-    def _local_groups(self, rank: int | None = None) -> list[dict[str, Any]]:
-        """A rank's param groups: every global group, restricted to the params it owns (on
-        this rank, a split param is represented by this rank's piece of it)."""
-        mine = rank is None or rank == self.rank
-        indices = self._plan.local_indices(self.rank if rank is None else rank)
-        params = self._targets.targets() if mine else self.flat_params()
-        return local_groups(self.param_groups, indices, params)
-
-    def _build_local_optimizer(self, states: dict[int, ParamState]) -> Optimizer:
-        """Create the inner optimizer over this rank's shard and give it ``states``."""
-        inner = _params.build_inner(
-            self._optim_constructor, self._local_groups(), self._optim_defaults
-        )
-        place_states(inner, self._targets.targets(), states)
-        return inner
+        """Plan by the policy; with ``keep``, params already placed keep their owners (a
+        pinned plan, :meth:`repartition` with ``pin``, is kept while the groups do not
+        change)."""
+        if not self._initialized:
+            specs = _params.param_specs(self.param_groups, self._policy.aligned)
+            return make_plan(specs, self.world_size, self._policy)
+        return self._shard.make_plan(self._policy, keep or self._pinned, self._pinned)
 
     def _build_sync(self) -> BucketSync:
-        return build_sync(self.flat_params(), self._plan, self._policy, self.group)
-
-    def _trainable_mask(self) -> list[bool]:
-        """Cache the flat params (the hot path's list) and return their trainability."""
-        self._flat = self.flat_params()
-        return list(map(_REQUIRES_GRAD, self._flat))
-
-    def _trainability_changed(self) -> bool:
-        """Whether a param's ``requires_grad`` changed since the layout was built.
-
-        At world size 1 the plan does not depend on trainability and nothing travels, so
-        nothing is checked; with ``auto_refresh`` False neither.
-        """
-        if self.world_size == 1 or not self.auto_refresh:
-            return False
-        return list(map(_REQUIRES_GRAD, self._flat)) != self._trainable
+        return build_sync(self.flat_params(), self.plan, self._policy, self.group)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
@@ -366,113 +280,31 @@ class OSS(ShardedStateDict, Optimizer):
         and the params rank ``r`` owns (under the flat rule: holds a piece of; this rank's
         own entry lists its piece tensors in place of split params).
         """
-        return [self._local_groups(rank) for rank in range(self.world_size)]
+        return [self._shard.local_groups(rank) for rank in range(self.world_size)]
 
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
         """Map every param to the group-local rank that owns it (a split param: the owner of
         its first piece; ``plan.pieces`` has all of them)."""
-        return dict(zip(self.flat_params(), self._plan.owners))
+        return dict(zip(self.flat_params(), self.plan.owners))
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
         """The dtype parameters travel as at the next step (None: their own)."""
         return torch.float16 if self.broadcast_fp16 else self.broadcast_dtype
 
-    def clip_grad_norm(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None = None,
-        *,
-        group: Any | None = None,
-        error_if_nonfinite: bool = False,
-    ) -> torch.Tensor:
-        """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
+    @property
+    def local_shard(self) -> LocalShard:
+        """This rank's :class:`~oss_plus.shard.LocalShard`: the plan, the tensors its inner
+        optimizer steps (whole params, or the pieces of split ones) and that optimizer."""
+        return self._shard
 
-        Each rank scales the gradients of the params it owns now (a trainability change is
-        repartitioned first, as :meth:`step` would); one ``all_reduce`` gives every rank the
-        same total. Over the optimizer's group without ``filter_params_fn`` the total is
-        bit-identical to ``torch.nn.utils.clip_grad_norm_`` in fp32 (exact to float32 on
-        bf16/fp16 grads); with ``group=`` or ``filter_params_fn``, float64 partial sums are
-        reduced instead. Ranks must agree on which params have a gradient (as under DDP).
-        See :mod:`oss_plus.clip`.
-
-        Args:
-            max_norm: the largest total norm allowed.
-            norm_type: ``p`` (> 0) or ``float('inf')``.
-            filter_params_fn: receives the params this rank owns, returns those to count
-                (fairscale's hook for model parallelism); every owned gradient is scaled.
-            group: reduce over this group instead of the optimizer's (model parallelism).
-            error_if_nonfinite: raise RuntimeError on every rank when the total is NaN/inf.
-
-        Returns:
-            The total norm before clipping (float32; float64 for float64 models), on the
-            gradients' device on every path (gloo or NCCL), as ``clip_grad_norm_`` returns it.
-
-        Raises:
-            ValueError: bad ``norm_type`` or ``max_norm``.
-            RuntimeError: ``error_if_nonfinite`` and the total is not finite.
-
-        Example:
-            >>> scaler.unscale_(opt); opt.clip_grad_norm(1.0); scaler.step(opt)  # doctest: +SKIP
-
-        .. warning:: Collective: call on every rank of ``group``.
-        """
-        if self._trainability_changed():
-            self.refresh_trainable()
-        if self._plan.split:
-            return self._clip_pieces(
-                max_norm, norm_type, filter_params_fn, group, error_if_nonfinite
-            )
-        owned_mask = [o == self.rank for o in self._plan.owners]
-        return clip.clip_owned_(
-            self.flat_params(),
-            owned_mask,
-            max_norm,
-            norm_type,
-            self.group,
-            filter_params_fn=filter_params_fn,
-            group=group,
-            error_if_nonfinite=error_if_nonfinite,
-        )
-
-    def _clip_pieces(
-        self,
-        max_norm: float,
-        norm_type: float,
-        filter_params_fn: Callable[[list[torch.Tensor]], Any] | None,
-        group: Any | None,
-        error_if_nonfinite: bool,
-    ) -> torch.Tensor:
-        """:meth:`clip_grad_norm` when params are split: each rank counts and scales the
-        gradient slices of its pieces (float64 partial sums, one ``all_reduce``)."""
-        params, targets = self.flat_params(), self._targets.targets()
-        owned = [self._plan.piece(self.rank, i) is not None for i in range(len(params))]
-        fn = None
-        if filter_params_fn is not None:  # the hook sees params, never pieces
-            user_fn = filter_params_fn
-            param_of = {id(t): p for t, p in zip(targets, params)}
-            target_of = {id(p): t for t, p in zip(targets, params)}
-
-            def fn(mine: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [target_of[id(p)] for p in user_fn([param_of[id(t)] for t in mine])]
-
-        self._targets.set_grads()
-        try:
-            return clip.clip_owned_(
-                targets,
-                owned,
-                max_norm,
-                norm_type,
-                self.group,
-                filter_params_fn=fn,
-                group=group,
-                error_if_nonfinite=error_if_nonfinite,
-                partial=True,
-            )
-        finally:
-            self._targets.clear_grads()
+    def trainability_changed(self) -> bool:
+        """Whether ``requires_grad`` changed since the plan was made, as :meth:`step` reads it
+        (:mod:`oss_plus.changes`: a frozen param unfrozen at once, a freeze within a few
+        calls; never at world size 1 nor with ``auto_refresh`` False). Call it on every rank
+        alike: each call reads the next slice of the trainable params."""
+        return self.auto_refresh and self._changes.trainability_changed()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.
@@ -485,65 +317,103 @@ class OSS(ShardedStateDict, Optimizer):
             What the inner step returned (the closure's loss).
 
         Raises:
-            Exception: on every rank when the inner step (optimizer, closure, inner hooks)
-                raised on any: that rank's own error, elsewhere one naming it. The sync
-                completes first (replicas stay identical); nothing is undone (see
+            Exception: what the last step reported (raised first, on every rank: see
+                :meth:`settle`). A failure of this step's local step (optimizer, closure,
+                inner hooks) on any rank is raised on every rank at the next check (at
+                world size 1: here); the sync completes first and nothing is undone (see
                 ``docs/design.md``, "When a step fails").
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if self._trainability_changed():
-            logger.info("trainable params changed: repartitioning")
-            self.refresh_trainable()
-        elif self.auto_refresh and not self._sync.is_intact():
-            logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
-            self.install_sync()
+        self.settle()
+        if self.auto_refresh and not self._follow_changes():
+            return None  # this rank's plan changed, not every rank's: see _replan_together
         self.drop_consolidated()
         copy_hyper(self.param_groups, self.optim.param_groups)
         if closure is not None:
             kwargs["closure"] = closure
-        pieces = self._targets.tensors
-        if pieces:
-            self._targets.set_grads()
-        with torch.profiler.record_function("oss_plus::local_step"):
-            loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
-        if pieces:
-            self._targets.clear_grads()
-            self._targets.given.clear()  # consumed
-        self._sync.sync(self.wire_dtype, error)  # raises on every rank if any rank failed
+        if isinstance(self._sync, BucketSync):
+            self._sync.restore(self.wire_dtype)  # exact values of what went compressed
+        loss, error = self._shard.step(kwargs)
+        self._driver.send(self._sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
 
-    def set_piece_grad(self, index: int, grad: torch.Tensor | None) -> None:
-        """Hand over the gradient of this rank's piece of the split param ``index``.
+    def settle(self) -> None:
+        """Finish the last step: wait for its parameter sync (still in flight after
+        :meth:`attach`), then raise on every rank what any rank's step reported.
 
-        For a param the plan splits (``plan.split``, the flat rule), the next
-        :meth:`clip_grad_norm` and :meth:`step` use ``grad`` (1-D, the piece's length, the
-        param's dtype and device) instead of the slice of the param's ``.grad``, so a rank
-        need not hold the whole gradient of a param it holds only a piece of (ZeRO-2:
-        :class:`oss_plus.ShardedDataParallel`). ``ShardedGradScaler`` unscales and checks it
-        like a ``.grad``. :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
+        Every rank raises what a step reported at the same call: the first check after that
+        step (this method, or the start of the next :meth:`step`, :meth:`clip_grad_norm`,
+        :meth:`consolidate_state_dict`, :meth:`refresh_trainable`, :meth:`repartition`,
+        :meth:`add_param_group`, :meth:`install_sync`, a checkpoint save or load; see
+        ``docs/design.md``, "When a step fails"). Call it right after :meth:`step` to raise
+        in that step's iteration (one host read of the peers' status). When nothing was
+        reported: no collective, no host read.
 
         Raises:
-            ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.
+            Exception: a rank's last step raised (that rank's error there, elsewhere one of
+                the same type naming it).
+            ValueError: ``requires_grad`` changed on some ranks only before the last step
+                (:data:`oss_plus.status.TRAINABILITY_DIFFERS`).
+
+        .. warning:: Collective when a step failed: call on every rank of ``group``.
         """
-        self._targets.give(index, grad)
+        self._driver.settle()
 
-    def piece_grads(self) -> dict[int, torch.Tensor]:
-        """The gradients handed over with :meth:`set_piece_grad`, by flat index (a new dict)."""
-        return dict(self._targets.given)
+    def attach(self, model: torch.nn.Module) -> ForwardWaits:
+        """Overlap the parameter sync of every :meth:`step` with the next forward of ``model``.
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``; also drops (or zeroes) the gradients handed
-        over with :meth:`set_piece_grad`."""
-        super().zero_grad(set_to_none)
-        given = self._targets.given
-        if given:
-            if set_to_none:
-                given.clear()
-            else:
-                for grad in given.values():
-                    grad.zero_()
+        After this call :meth:`step` starts the sync and returns without waiting for it; a
+        forward pre-hook on every module of ``model`` that owns params of this optimizer
+        waits, when the module is called, for the transfers of the buckets holding its
+        params only (Megatron-Core's ``overlap_param_gather``). Params no module of ``model``
+        owns are waited for before :meth:`step` returns. :meth:`settle`, the next
+        :meth:`step`, :meth:`clip_grad_norm`, the state-dict and checkpoint calls, a
+        repartition and :meth:`export_local_state` / :meth:`import_local_state` wait for the
+        rest first; :meth:`zero_grad` does not (it touches no param; waiting there would
+        serialise the usual ``step(); zero_grad(); forward`` loop). Results are bit-identical
+        to the blocking sync. Code that reads params outside the forward of ``model`` between
+        a step and the next forward must call :meth:`settle` first.
+
+        Args:
+            model: the module whose forward uses the params (e.g. the DDP module).
+
+        Returns:
+            The hooks; ``remove()`` them to make steps wait again. Not collective.
+
+        Example:
+            >>> opt.attach(model)  # doctest: +SKIP
+            >>> model(x).sum().backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+        """
+        return self._driver.attach(model, self.flat_params())
+
+    def _follow_changes(self) -> bool:
+        """Before the local step: a changed plan (``requires_grad``; the flat rule's cut
+        after a re-allocation) goes through :meth:`_replan_together`; params re-allocated otherwise
+        get a new layout (local: every rank's layout follows from the plan). Returns
+        whether the step goes on."""
+        if self.trainability_changed():
+            return self._replan_together()
+        if not self._sync.is_intact():
+            if self._policy.rule is Rule.FLAT and self._make_plan() != self.plan:
+                return self._replan_together()
+            logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
+            self.install_sync()
+        return True
+
+    def _replan_together(self) -> bool:
+        """This rank's plan changed: run the sync unstepped with :data:`REPLAN` and read every
+        rank's code now (the one host read, on this rare path only). When every rank sent it,
+        repartition together (agreeing on the plan) and go on with the step; else every rank
+        raises :data:`~oss_plus.status.TRAINABILITY_DIFFERS` at the next check (the others
+        stepped; this rank did not)."""
+        plan, sync = self._make_plan(), self._sync
+        if isinstance(sync, BucketSync) and not self._driver.replan(sync, self.wire_dtype):
+            return False
+        logger.info("trainable params changed on every rank: repartitioning")
+        self.repartition(plan)
+        return True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; params already placed keep their owner (and their state).
@@ -556,14 +426,14 @@ class OSS(ShardedStateDict, Optimizer):
         if not self._initialized:
             super().add_param_group(param_group)
             return
+        self.settle()
         super().add_param_group(_params.new_group(param_group, self.flat_params()))
         if self._policy.rule is Rule.FLAT:  # the ranges move: cut again, move the state
             self.repartition(self._make_plan())
             return
-        self._plan = self._make_plan(keep=True)
-        self._targets = PieceTargets(self.flat_params(), self._plan, self.rank)  # none split
-        self.optim.add_param_group(self._local_groups()[-1])
-        copy_hyper(self.optim.param_groups, self.param_groups)
+        plan = self._make_plan(keep=True)
+        _params.agree_plan(plan, None, self.group)  # the totals depend on trainability
+        self._shard.add_group(plan)
         self.install_sync()
 
     def refresh_trainable(self) -> None:

@@ -27,6 +27,7 @@ from oss_plus.plan import ShardPlan
 from oss_plus.state import ParamState
 
 __all__ = [
+    "PieceGrads",
     "ELEMENTWISE",
     "NOT_ELEMENTWISE",
     "PieceTargets",
@@ -178,7 +179,8 @@ class PieceTargets:
 
     def __init__(self, params: Sequence[torch.Tensor], plan: ShardPlan, rank: int) -> None:
         self.rank = rank
-        self._params = list(params)
+        #: every param, by flat index
+        self.params = list(params)
         self.pieces: dict[int, tuple[int, int]] = {}
         for i in sorted(plan.split):
             piece = plan.piece(rank, i)
@@ -214,17 +216,25 @@ class PieceTargets:
 
     def _slice(self, index: int) -> torch.Tensor:
         start, end = self.pieces[index]
-        return self._params[index].data.view(-1)[start:end]
+        return self.params[index].data.view(-1)[start:end]
 
     def targets(self) -> list[torch.Tensor]:
         """Every param by flat index, a split one replaced by this rank's piece tensor."""
-        return [self.tensors.get(i, p) for i, p in enumerate(self._params)]
+        return [self.tensors.get(i, p) for i, p in enumerate(self.params)]
 
     @torch.no_grad()
     def point(self) -> None:
         """Make every piece tensor a view of its param's current memory (after a layout)."""
         for i, tensor in self.tensors.items():
             tensor.data = self._slice(i)
+
+    def zero_given(self, set_to_none: bool) -> None:
+        """Drop (or zero) the gradients handed over with :meth:`give` (``zero_grad``)."""
+        if set_to_none:
+            self.given.clear()
+        else:
+            for grad in self.given.values():
+                grad.zero_()
 
     def set_grads(self) -> None:
         """Give every piece tensor its gradient: one handed over (:meth:`give`), else the
@@ -238,7 +248,7 @@ class PieceTargets:
             if i in given:
                 tensor.grad = given[i]
                 continue
-            param = self._params[i]
+            param = self.params[i]
             grad = param.grad
             if grad is None:
                 tensor.grad = None
@@ -257,6 +267,38 @@ class PieceTargets:
         """Return ``states`` (whole params' states by flat index) with every param this rank
         holds a piece of cut to its piece (:func:`slice_state`)."""
         return {
-            i: (slice_state(s, self._params[i].shape, *self.pieces[i]) if i in self.pieces else s)
+            i: (slice_state(s, self.params[i].shape, *self.pieces[i]) if i in self.pieces else s)
             for i, s in states.items()
         }
+
+
+class PieceGrads:
+    """The gradients of the pieces of split params, a mixin of :class:`oss_plus.OSS` built
+    on its extension contract (``local_shard``): what ZeRO-2 hands to the flat rule."""
+
+    local_shard: Any  # provided by oss_plus.OSS
+
+    def set_piece_grad(self, index: int, grad: torch.Tensor | None) -> None:
+        """Hand over the gradient of this rank's piece of the split param ``index``.
+
+        For a param the plan splits (``plan.split``, the flat rule), the next
+        :meth:`clip_grad_norm` and :meth:`step` use ``grad`` (1-D, the piece's length, the
+        param's dtype and device) instead of the slice of the param's ``.grad``, so a rank
+        need not hold the whole gradient of a param it holds only a piece of (ZeRO-2:
+        :class:`oss_plus.ShardedDataParallel`). ``ShardedGradScaler`` unscales and checks it
+        like a ``.grad``. :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
+
+        Raises:
+            ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.
+        """
+        self.local_shard.targets.give(index, grad)
+
+    def piece_grads(self) -> dict[int, torch.Tensor]:
+        """The gradients handed over with :meth:`set_piece_grad`, by flat index (a new dict)."""
+        return dict(self.local_shard.targets.given)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; also drops (or zeroes) the gradients handed
+        over with :meth:`set_piece_grad`."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        self.local_shard.targets.zero_given(set_to_none)

@@ -2,7 +2,8 @@
 
 :class:`ShardedStateDict` is a mixin of :class:`oss_plus.OSS`: it uses only the public
 contract (:attr:`~oss_plus.OSS.plan`, :meth:`~oss_plus.OSS.export_local_state`,
-:meth:`~oss_plus.OSS.import_local_state`, ``group``, ``rank``, ``world_size``), and owns the
+:meth:`~oss_plus.OSS.import_local_state`, :meth:`~oss_plus.OSS.settle`, ``group``, ``rank``,
+``world_size``), and owns the
 consolidated copy of the state, which :meth:`drop_consolidated` forgets (``step()`` calls it).
 """
 
@@ -79,6 +80,7 @@ class ShardedStateDict:
                 f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                 f"got {recipient_rank}"
             )
+        self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
         copy_hyper(self.param_groups, self.optim.param_groups)
         dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
         self._consolidated_copy = None

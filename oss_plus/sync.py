@@ -1,38 +1,22 @@
-"""Parameter synchronisation after the local step: transports and wire compression over
-ready-made bucket layouts (:mod:`oss_plus._layout`), and the step status that travels with
-them.
+"""Parameter synchronisation after the local step: the transfer of ready-made bucket layouts
+(:mod:`oss_plus._layout`) from their owners, with wire compression and the step status.
 
 :class:`BucketSync` receives the buckets of a layout and only moves their bytes; which
-layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by :func:`build_sync`.
-
-Transports (:class:`Transport`), chosen when the layout is built, identically on every rank:
-
-* ``broadcast``: one async broadcast per bucket from its owner. Works everywhere.
-* ``all_gather``: per (device, dtype) one flat buffer with an equal, padded region per rank
-  (the buckets are views of it) and one ``all_gather_single`` per buffer. The default for CUDA
-  buckets on NCCL (one collective per dtype instead of one per rank). Slow on gloo.
+layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by :func:`build_sync`, and
+which transport each bucket uses by :mod:`oss_plus.transport` (``broadcast`` from the owner,
+or one ``all_gather`` per (device, dtype)). The status each owner sends in its buckets is
+:mod:`oss_plus.status`.
 
 Every byte moves through ``torch.distributed`` collectives on the optimizer's group: oss_plus
 writes no transport of its own (a shared-memory path measured faster on one host, but it is
 a transport of our own that only works on one host, and it was removed).
 
-``transport="auto"`` picks the defaults above; the environment variable :data:`TRANSPORT_ENV`
-overrides ``auto`` (set it identically on every rank).
-
 Compression: when a wire dtype narrower than a bucket's dtype is requested (fp16/bf16), the
-owner copies its buffer into a preallocated wire buffer which is sent instead; receivers widen
-it into their buffer. The owner's own values are never rounded, so updates smaller than the
-wire format's resolution still accumulate on the owner, and replicas hold the owner's values
-rounded to the wire dtype until the next step.
-
-Step status: every flat bucket (and every rank's region of an ``all_gather`` buffer) ends
-with a status slot its owner sets to 1 when its local step raised. After the waits, every
-rank reads the slots of its peers with ONE device-to-host read (one slot per peer, gathered
-on the device first); when any is set (or this rank failed), every rank runs
-:func:`oss_plus._dist.agree`, which raises on all of them naming the failing rank(s). So a
-failure costs no collective in the common case. When some rank sends no slot (it owns no
-trainable param, or the layout is ``per_param``), that one ``agree`` (one ``all_gather``,
-one read) runs at every sync instead.
+owner rounds its region into a preallocated wire buffer, which is sent instead, and rounds
+its own region the same way; receivers widen the wire values into their buffer. So every
+replica holds the same values after every step. The owner keeps the exact values in a main
+copy (:mod:`oss_plus.main_copy`) that :meth:`BucketSync.restore` puts back before its next
+local step, so updates smaller than the wire format's resolution still accumulate.
 
 World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
 storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
@@ -46,11 +30,10 @@ only for buckets that travel; later steps allocate nothing but the status read's
 
 from __future__ import annotations
 
-import contextlib
+import bisect
 import functools
 import logging
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -60,7 +43,6 @@ from oss_plus import _dist
 from oss_plus._layout import (
     Bucket,
     Gather,
-    Key,
     Transport,
     alignment,
     bucket_numel,
@@ -69,17 +51,31 @@ from oss_plus._layout import (
     owner_buckets,
     per_param,
 )
+from oss_plus.changes import addresses, same_addresses
+from oss_plus.inflight import InFlight, Pending
+from oss_plus.main_copy import MainCopy
 from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
+from oss_plus.status import FAILED, OK, PeerSlots, any_set
+from oss_plus.transport import (
+    BAD_TRANSPORT,
+    TRANSPORT_ENV,
+    gathered_keys,
+    requested,
+    transport_override,
+)
 
 __all__ = [
     "Bucket",
     "BucketSync",
     "Transport",
     "alignment",
+    "BAD_TRANSPORT",
+    "TRANSPORT_ENV",
     "any_set",
     "bucket_numel",
     "build_sync",
+    "gathered_keys",
     "transport_override",
     "wire_dtype_for",
 ]
@@ -88,14 +84,7 @@ logger = logging.getLogger(__name__)
 
 #: Floating dtypes that may travel compressed, and the wire dtypes allowed.
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
-#: Environment variable overriding ``transport="auto"``: broadcast or all_gather.
-TRANSPORT_ENV = "OSS_PLUS_SYNC"
-#: Raised for an unknown transport name.
-BAD_TRANSPORT = "{where} must be one of 'auto', 'broadcast' or 'all_gather', got {value!r}"
-
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-#: Reads a tensor's address at C speed when mapped over the params (the re-allocation check).
-_DATA_PTR = torch.Tensor.data_ptr
 
 
 def wire_dtype_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
@@ -115,98 +104,6 @@ def wire_dtype_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype 
     return wire
 
 
-def _requested(transport: Transport | str) -> Transport:
-    try:
-        value = Transport(transport)
-    except ValueError:
-        raise ValueError(BAD_TRANSPORT.format(where="transport", value=transport)) from None
-    env = os.environ.get(TRANSPORT_ENV, "")
-    if value is Transport.AUTO and env:
-        try:
-            value = Transport(env)
-        except ValueError:
-            raise ValueError(BAD_TRANSPORT.format(where=TRANSPORT_ENV, value=env)) from None
-    return value
-
-
-def _backend(group: Any) -> str:
-    return str(dist.get_backend(group)).lower()
-
-
-def gathered_keys(
-    params_by_owner: Sequence[Sequence[torch.Tensor]], transport: Transport | str, group: Any
-) -> list[Key]:
-    """Return the (device, dtype) keys whose buckets travel by ``all_gather``.
-
-    Raises:
-        ValueError: unknown ``transport`` (or value of :data:`TRANSPORT_ENV`).
-    """
-    requested = _requested(transport)
-    keys = list(
-        dict.fromkeys(
-            (str(p.device), p.dtype) for ps in params_by_owner for p in ps if p.requires_grad
-        )
-    )
-    if requested is Transport.ALL_GATHER:
-        return keys
-    world = dist.get_world_size(group)
-    if requested is Transport.AUTO and world > 1 and "nccl" in _backend(group):
-        return [k for k in keys if not k[0].startswith("cpu")]
-    return []
-
-
-def _slots(
-    buckets: Sequence[Bucket], gathers: Sequence[Gather], world_size: int
-) -> list[tuple[int, torch.Tensor]]:
-    """Return ``(rank, slot)`` for every status slot sent (the same list on every rank)."""
-    slots = [(rank, g.slot(rank)) for g in gathers if g.slots for rank in range(world_size)]
-    slots += [
-        (b.owner, b.slot) for b in buckets if b.slot is not None and b.via is Transport.BROADCAST
-    ]
-    return slots
-
-
-def _first_per_rank(slots: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-    first: dict[int, torch.Tensor] = {}
-    for rank, slot in slots:
-        first.setdefault(rank, slot)
-    return list(first.items())
-
-
-def any_set(slots: Sequence[torch.Tensor]) -> bool:
-    """Return whether any status slot is set, with at most one device-to-host read.
-
-    The slots (one element each, one device) are gathered on their device first, so the
-    host waits for the device once however many peers there are; no slots read nothing.
-
-    Example:
-        >>> any_set([torch.zeros(1), torch.ones(1)]), any_set([])
-        (True, False)
-    """
-    if not slots:
-        return False
-    if len(slots) == 1:
-        return bool(slots[0])
-    return bool(torch.cat(list(slots)).any())
-
-
-class Pending:
-    """A started transfer: call it to wait (and widen a compressed copy).
-
-    ``held`` lists the tensors the collective was given, with their use counts from before
-    it, for :func:`oss_plus._dist.await_release`.
-    """
-
-    __slots__ = ("finish", "held")
-
-    def __init__(self, finish: Callable[[], None], held: list[tuple[torch.Tensor, int]]):
-        self.finish = finish
-        self.held = held
-
-    def __call__(self) -> None:
-        self.finish()
-
-
 class BucketSync:
     """Moves the bytes of ready-made buckets from their owners to every rank.
 
@@ -219,7 +116,7 @@ class BucketSync:
     Example:
         >>> buckets, gathers = owner_buckets(params_by_owner, aligned=True)  # doctest: +SKIP
         >>> sync = BucketSync(buckets, group, gathers)  # doctest: +SKIP
-        >>> inner.step(); sync.sync(torch.bfloat16)  # doctest: +SKIP
+        >>> inner.step(); sync.launch(torch.bfloat16, OK).wait()  # doctest: +SKIP
     """
 
     def __init__(
@@ -231,21 +128,24 @@ class BucketSync:
         self.buckets = list(buckets)
         self.gathers = list(gathers)
         self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
-        # every slot of an owner holds the same status after a sync: read one per rank
-        reporters = _first_per_rank(_slots(self.buckets, self.gathers, self.world_size))
-        self._peer_slots = [s for r, s in reporters if r != self.rank]
-        self._silent = len(reporters) < self.world_size
+        #: where this rank finds its peers' status codes after a sync
+        self.status = PeerSlots(self.buckets, self.gathers, group)
         self._params = [p for b in self.buckets for p in b.params]
-        self._ptrs = list(map(_DATA_PTR, self._params))
+        self._ptrs = addresses(self._params)
+        #: by ``id``: the buckets and gathers holding a main copy (:mod:`oss_plus.main_copy`;
+        #: the copies live on them, so another sync over the same buckets finds them)
+        holders: list[Bucket | Gather] = [*self.buckets, *self.gathers]
+        self._mains = {id(x): x for x in holders if x.main is not None}
+        self._holding: dict[int, list[Bucket]] | None = None
 
     # ----------------------------------------------------------------- inspection
     def is_intact(self) -> bool:
         """Return False when a param stopped being a view of its bucket (``.data`` replaced,
         ``module.to(...)``): the layout must then be rebuilt.
 
-        One address read per bucketed param, at C speed (no Python frame per param).
+        One address read per bucketed param, at C speed (:func:`oss_plus.changes.same_addresses`).
         """
-        return list(map(_DATA_PTR, self._params)) == self._ptrs
+        return same_addresses(self._params, self._ptrs)
 
     def transports(self) -> dict[str, int]:
         """Return how many buckets use each transport, e.g. ``{"broadcast": 2}``."""
@@ -265,123 +165,179 @@ class BucketSync:
             if f is not None
         )
 
+    def holding(self) -> dict[int, list[Bucket]]:
+        """For ``id(param)`` of every bucketed param, the buckets holding its memory (one,
+        or several for a param the flat rule splits); computed once per layout."""
+        if self._holding is None:
+            spans = sorted(
+                (b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.nbytes, i)
+                for i, b in enumerate(self.buckets)
+            )
+            starts = [start for start, _, _ in spans]
+            self._holding = {}
+            for p in self._params:
+                low, high = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
+                at = max(0, bisect.bisect_right(starts, low) - 1)
+                found = []
+                while at < len(spans) and spans[at][0] < high:
+                    if spans[at][1] > low:
+                        found.append(self.buckets[spans[at][2]])
+                    at += 1
+                self._holding[id(p)] = found
+        return self._holding
+
+    def main_bytes(self) -> int:
+        """Return the bytes the main copies of this rank hold (:mod:`oss_plus.main_copy`:
+        the regions it sends compressed, in their dtype, plus one mask byte per element)."""
+        return sum(x.main.nbytes for x in self._mains.values() if x.main is not None)
+
     @torch.no_grad()
     def release(self) -> None:
-        """Give every bucketed param its own storage again (before a layout is dropped)."""
+        """Give every bucketed param its own storage again (before a layout is dropped); the
+        main copies go (the params keep the values every rank holds)."""
+        for owner in self._mains.values():
+            owner.main = None
         for bucket in self.buckets:
             if bucket.views:
                 for p in bucket.params:
                     p.data = p.data.clone()
         self.buckets, self.gathers, self._broadcast, self._ptrs = [], [], [], []
-        self._params, self._peer_slots, self._silent = [], [], True
+        self._params, self.status, self._mains = [], PeerSlots([], [], self.group), {}
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
-    def sync(self, wire: torch.dtype | None = None, error: BaseException | None = None) -> None:
-        """Bring every replica up to date with the owners' buckets; compress with ``wire``.
+    def restore(self, wire: torch.dtype | None, buckets: Sequence[Bucket] | None = None) -> None:
+        """Before the local step: give the regions this rank sent compressed their exact
+        values back (:meth:`oss_plus.main_copy.MainCopy.restore`; of ``buckets`` only when
+        given). A region that will travel uncompressed with ``wire`` drops its copy.
+        Not collective."""
+        if not self._mains:
+            return
+        keys = None if buckets is None else {id(b) for b in buckets}
+        for key, owner in list(self._mains.items()):
+            main = owner.main
+            if main is not None and (keys is None or key in keys):
+                main.restore()
+                if wire_dtype_for(main.region.dtype, wire) is None:
+                    owner.main = None
+                    del self._mains[key]
 
-        Args:
-            wire: compress floating buffers wider than this dtype on the wire (None: don't).
-            error: what this rank's local step raised, or None. Its buckets are sent anyway
-                (every replica gets the same values), then every rank raises.
+    def _send_rounded(
+        self, owner: Bucket | Gather, region: torch.Tensor, sent: torch.Tensor
+    ) -> None:
+        """Round this rank's ``region`` into ``sent`` (and itself), keeping its exact values."""
+        if owner.main is None or owner.main.sent is not sent:
+            owner.main = MainCopy(region, sent)
+            self._mains[id(owner)] = owner
+        owner.main.send()
 
-        Raises:
-            Exception: on every rank, when any rank's step raised (see :meth:`settle`).
+    @torch.no_grad()
+    def launch(self, wire: torch.dtype | None, code: int = OK) -> InFlight:
+        """Start bringing every replica up to date with the owners' buckets; compress with
+        ``wire``; send this rank's status ``code`` (:mod:`oss_plus.status`) with them.
+
+        Returns without waiting: :meth:`InFlight.wait` waits (not collective) and stages the
+        peers' codes for :class:`oss_plus.status.StepStatus` (nothing is read at once). At
+        world size 1 nothing travels: an :class:`InFlight` with nothing to wait for.
 
         .. warning:: Collective: call on every rank of ``group``.
         """
-        if self.world_size == 1:  # nothing travels, nothing to read
-            self.settle(error)
-            return
+        if self.world_size == 1:
+            return InFlight([], {}, None, self.group)
         with torch.profiler.record_function("oss_plus::sync"):
-            failed = error is not None
-            pending = self._start_gathers(wire, failed) + self.start(self._broadcast, wire, failed)
-            held = [h for p in pending for h in p.held]
-            with torch.profiler.record_function("oss_plus::sync.wait"):
-                for p in pending:
-                    p()
-            del pending, p  # drop the work handles, then let gloo's workers drop theirs
-            _dist.await_release([t for t, _ in held], [c for _, c in held], self.group)
+            pending, covers = self._start_gathers(wire, code)
+            vector = self.status.send_vector(code)
+            if vector is not None:
+                work, tensors = vector
+                pending.append(Pending(work.wait, list(zip(tensors, _dist.use_counts(tensors)))))
+            for bucket, transfer in zip(self._broadcast, self.start(self._broadcast, wire, code)):
+                pending.append(transfer)
+                covers[id(bucket)] = transfer
+        return InFlight(pending, covers, self.status, self.group)
+
+    @torch.no_grad()
+    def sync(self, wire: torch.dtype | None = None, error: BaseException | None = None) -> None:
+        """Launch, wait, and check at once (:meth:`settle`): raise on every rank if any
+        rank's step raised. The core's step uses :meth:`launch` and checks later.
+
+        .. warning:: Collective: call on every rank of ``group``.
+        """
+        self.launch(wire, OK if error is None else FAILED).wait()
         self.settle(error)
 
     def settle(self, error: BaseException | None, buckets: Sequence[Bucket] | None = None) -> None:
-        """After the waits: raise on every rank if any rank's step raised.
-
-        Reads the status slots of the peers (every slot of ``buckets``, default: one per
-        rank of this layout) with one device-to-host read (:func:`any_set`); when one is set
-        or ``error`` is given, or some rank sent no slot, runs :func:`oss_plus._dist.agree`,
-        which raises on every rank naming the failing rank(s). At world size 1 it reads
-        nothing and re-raises ``error``.
+        """After the waits: raise on every rank if any rank's step raised (one device-to-host
+        read of the peers' slots of ``buckets``, default: of this layout; see
+        :meth:`oss_plus.status.PeerSlots.settle`).
 
         .. warning:: Collective: call on every rank of ``group`` after the same sends.
         """
-        if self.world_size == 1:
-            if error is not None:
-                raise error
-            return
-        if buckets is None:
-            peers, silent = self._peer_slots, self._silent
-        else:
-            slots = _slots(buckets, (), self.world_size)
-            peers = [s for r, s in slots if r != self.rank]
-            silent = len({r for r, _ in slots}) < self.world_size
-        if error is not None or silent or any_set(peers):
-            _dist.agree(error, self.group)
+        self.status.settle(error, buckets)
 
-    def _start_gathers(self, wire: torch.dtype | None, failed: bool) -> list[Pending]:
+    def _start_gathers(
+        self, wire: torch.dtype | None, code: int
+    ) -> tuple[list[Pending], dict[int, Pending]]:
         pending: list[Pending] = []
+        covers: dict[int, Pending] = {}
         for g in self.gathers:
-            if g.slots and g.status != failed:  # the slot keeps its value between syncs
-                g.slot(self.rank).fill_(float(failed))
-                g.status = failed
+            if g.slots and g.status != code:  # the slot keeps its value between syncs
+                g.slot(self.rank).fill_(float(code))
+                g.status = code
             dtype = wire_dtype_for(g.flat.dtype, wire)
             out = g.flat if dtype is None else g.wire_buffer(dtype)
             mine = out[self.rank * g.region : (self.rank + 1) * g.region]
             if dtype is not None:
-                mine.copy_(g.flat[self.rank * g.region : (self.rank + 1) * g.region])
+                self._send_rounded(
+                    g, g.flat[self.rank * g.region : (self.rank + 1) * g.region], mine
+                )
             held = list(zip((out, mine), _dist.use_counts((out, mine))))
             work = _all_gather_single(out, mine, group=self.group, async_op=True)
-            finish = functools.partial(self._finish_gather, work, g, out, dtype)
-            pending.append(Pending(finish, held))
-        return pending
+            transfer = Pending(functools.partial(self._finish_gather, work, g, out, dtype), held)
+            pending.append(transfer)
+            key = (g.flat.device, g.flat.dtype)
+            for b in self.buckets:  # one gather per (device, dtype) brings all its buckets
+                if b.via is Transport.ALL_GATHER and (b.buffer.device, b.buffer.dtype) == key:
+                    covers[id(b)] = transfer
+        return pending, covers
 
     def _finish_gather(
         self, work: Any, g: Gather, out: torch.Tensor, dtype: torch.dtype | None
     ) -> None:
         work.wait()
-        if dtype is not None:  # widen every region but this rank's own (kept exact)
+        if dtype is not None:  # widen every region but this rank's own (rounded at the send)
             start, end = self.rank * g.region, (self.rank + 1) * g.region
             g.flat[:start].copy_(out[:start])
             g.flat[end:].copy_(out[end:])
 
     def start(
-        self, buckets: Sequence[Bucket], wire: torch.dtype | None, failed: bool = False
+        self, buckets: Sequence[Bucket], wire: torch.dtype | None, failed: int = OK
     ) -> list[Pending]:
         """Start the async broadcast of every bucket from its owner (through a compressed
-        copy when ``wire`` narrows it); the owner first sets its status slot to ``failed``.
+        copy when ``wire`` narrows it); the owner first writes its status code ``failed``
+        (:mod:`oss_plus.status`; True means :data:`~oss_plus.status.FAILED`) in its slot.
 
         Returns:
-            Callables that wait for each broadcast (and widen a compressed copy); none at
+            The transfers (call one to wait for it and widen a compressed copy); none at
             world size 1, where nothing travels (and no wire buffer is allocated).
 
         .. warning:: Collective: call on every rank of ``group`` with the same buckets.
         """
         if self.world_size == 1:
             return []
-        return [self._broadcast_bucket(b, wire, failed) for b in buckets]
+        return [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
 
-    def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None, failed: bool) -> Pending:
+    def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None, code: int) -> Pending:
         flat = bucket.flat
         assert flat is not None
         mine = bucket.owner == self.rank
         slot = bucket.slot
-        if mine and slot is not None and bucket.status != failed:
-            slot.fill_(float(failed))  # the slot keeps its value between syncs
-            bucket.status = failed
+        if mine and slot is not None and bucket.status != code:
+            slot.fill_(float(code))  # the slot keeps its value between syncs
+            bucket.status = code
         dtype = wire_dtype_for(flat.dtype, wire)
         tensor = flat if dtype is None else bucket.wire_buffer(dtype)
         if dtype is not None and mine:
-            tensor.copy_(flat)
+            self._send_rounded(bucket, flat, tensor)
         src = _dist.global_rank(self.group, bucket.owner)
         held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
@@ -410,7 +366,7 @@ def build_sync(
         ValueError: unknown ``policy.transport`` (or value of :data:`TRANSPORT_ENV`).
     """
     if plan.world_size == 1 and not policy.single_rank_layout:
-        _requested(policy.transport)
+        requested(policy.transport)
         return BucketSync([], group)
     if plan.rule is Rule.FLAT:
         keys = gathered_keys([params], policy.transport, group)
@@ -421,7 +377,7 @@ def build_sync(
         keys = gathered_keys(by_owner, policy.transport, group)
         buckets, gathers = owner_buckets(by_owner, policy.aligned, keys)
         return BucketSync(buckets, group, gathers)
-    _requested(policy.transport)
+    requested(policy.transport)
     by_local = [
         [params[i] for indices in plan.local_indices(r) for i in indices]
         for r in range(plan.world_size)
@@ -429,24 +385,3 @@ def build_sync(
     if policy.layout is Layout.ORDERED_BUCKETS:
         return BucketSync(ordered_buckets(by_local), group)
     return BucketSync(per_param(by_local), group)
-
-
-@contextlib.contextmanager
-def transport_override(name: str | None) -> Iterator[None]:
-    """Within the block, ``transport="auto"`` means ``name`` (:data:`TRANSPORT_ENV`; None:
-    as configured). Syncs built inside keep their transport after the block.
-
-    Example:
-        >>> with transport_override("all_gather"):  # doctest: +SKIP
-        ...     opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
-    """
-    saved = os.environ.get(TRANSPORT_ENV)
-    if name is not None:
-        os.environ[TRANSPORT_ENV] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(TRANSPORT_ENV, None)
-        else:
-            os.environ[TRANSPORT_ENV] = saved

@@ -14,7 +14,7 @@ from helpers import (
 )
 
 from oss_plus import OSS
-from oss_plus.sync import wire_dtype_for
+from oss_plus.sync import bucket_numel, wire_dtype_for
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -42,88 +42,132 @@ def test_only_floating_params_wider_than_the_wire_are_compressed():
     assert wire_dtype_for(torch.float32, None) is None
 
 
-# ------------------------------------------------------------------ the owner keeps exact values
-def small_updates_task(ctx, wire, via="broadcast", steps=10):
-    """SGD lr 1e-4 on weights at 1.0 for 10 steps: the owner must move by 1e-3 (fairscale #1)."""
+# ------------------------------------------------------------------ identical replicas, main copies
+def small_updates_task(ctx, wire, via="broadcast", steps=30):
+    """SGD lr 1e-4 on weights at 1.0 (grad 1 whatever the values): plain fp32 SGD is the
+    exact trajectory of the main copies, and every rank must hold it rounded to the wire
+    after every step (fairscale #1: the weights never move). Then one step without the wire
+    must give every rank the exact values."""
     params = near_one_params()
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     kwargs = {"broadcast_fp16": True} if wire == "fp16" else {"broadcast_dtype": WIRES[wire]}
     with transport(via):
         opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=1e-4, **kwargs)
     ref_opt = torch.optim.SGD(ref, lr=1e-4)
-    for _ in range(steps):
+    snapshots = []
+    for step in range(steps + 1):
+        if step == steps:
+            opt.broadcast_fp16, opt.broadcast_dtype = False, None  # the wire off
         for ps, o in ((params, opt), (ref, ref_opt)):
             o.zero_grad()
             sum(p.sum() for p in ps).backward()  # grad = 1 whatever the values
             o.step()
-    owned = [opt.param_to_rank[p] == ctx.rank for p in params]
+        snapshots.append(([p.detach().clone() for p in params], [p.detach().clone() for p in ref]))
     used = opt.sync_buckets.transports() if hasattr(opt.sync_buckets, "transports") else {}
-    return owned, [p.detach().clone() for p in params], [p.detach().clone() for p in ref], used
+    return snapshots, used, opt.sync_buckets.main_bytes()
 
 
 @pytest.mark.parametrize("world", WORLDS[1:], ids=WORLD_IDS[1:])
 @pytest.mark.parametrize("wire", sorted(WIRES))
-def test_updates_below_wire_resolution_still_accumulate_on_the_owner(pool, world, wire):
+def test_updates_below_wire_resolution_accumulate_in_the_main_copies(pool, world, wire):
     check_small_updates(pool.run(small_updates_task, wire, **world), WIRES[wire])
 
 
 @pytest.mark.parametrize("via", TRANSPORTS)
 @pytest.mark.parametrize("wire", sorted(WIRES))
-def test_every_transport_keeps_the_owner_exact_and_rounds_replicas(pool, wire, via):
+def test_every_transport_keeps_replicas_identical_and_main_copies_exact(pool, wire, via):
     results = pool.run(small_updates_task, wire, via, world_size=3)
-    assert all(set(used) == {via} for *_, used in results)
+    assert all(set(used) == {via} for _, used, _ in results)
     check_small_updates(results, WIRES[wire])
 
 
 def check_small_updates(results, dtype):
-    owners = [next(r for r, res in enumerate(results) if res[0][i]) for i in range(8)]
-    for owned, params, ref, _ in results:
-        for i, (p, r, own) in enumerate(zip(params, ref, owned)):
-            if own:
-                assert torch.equal(p, r), "the owner lost its exact fp32 values"
-                assert torch.allclose(1 - p, torch.full_like(p, 1e-3), rtol=1e-3)
-            else:  # replicas hold the owner's value rounded to the wire dtype
-                assert torch.equal(p, results[owners[i]][1][i].to(dtype).float())
+    for snapshots, _, main_bytes in results:
+        for step, (params, ref) in enumerate(snapshots[:-1]):
+            for p, r, p0 in zip(params, ref, results[0][0][step][0]):
+                assert torch.equal(p, r.to(dtype).float()), step  # the main copy, rounded
+                assert torch.equal(p, p0)  # every replica the same, the owner's too
+        assert all(not torch.equal(p, torch.ones_like(p)) for p in snapshots[-2][0])  # moved
+        params, ref = snapshots[-1]  # one step without the wire: exact everywhere
+        assert all(torch.equal(p, r) for p, r in zip(params, ref))
+        assert main_bytes == 0  # the copies are dropped with the wire
     # What rounding the owner's own copy (fairscale) does: the weights never move.
     rounded = torch.ones(4)
-    for _ in range(10):
+    for _ in range(30):
         rounded = (rounded - 1e-4).to(dtype).float()
     assert torch.equal(rounded, torch.ones(4))
 
 
-def replicas_task(ctx, wire, steps=3):
-    """Adam on an MLP: after every step each replica equals its owner's value, rounded."""
+def replicas_task(ctx, wire, steps=4):
+    """Adam on an MLP, against an independent reference of fp32 main params: a model whose
+    params hold the main params rounded to the wire, Adam stepping the main params with the
+    gradients of that model (Megatron-Core's distributed optimizer, unsharded)."""
     model = make_model()
+    ref_model = clone_model(model)
+    main = [torch.nn.Parameter(p.detach().clone()) for p in ref_model.parameters()]
+    ref = torch.optim.Adam(main, lr=0.01)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
     set_wire(opt, wire)
-    snapshots = []
+    snapshots, same = [], []
     for step in range(steps):
-        opt.zero_grad()
-        backward(model, step)
+        for m in (model, ref_model):
+            m.zero_grad()
+            backward(m, step)
         opt.step()
-        snapshots.append([p.detach().clone() for p in model.parameters()])
-    owners = [opt.param_to_rank[p] for p in model.parameters()]
-    return owners, snapshots, [p.dtype for p in model.parameters()]
+        for m, p in zip(main, ref_model.parameters()):
+            m.grad = p.grad
+        ref.step()
+        with torch.no_grad():
+            for p, m in zip(ref_model.parameters(), main):
+                p.copy_(m.to(WIRES[wire]))
+        same.append(
+            all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+        )
+        snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    mine = [p for p in model.parameters() if opt.param_to_rank[p] == ctx.rank]
+    region = bucket_numel(mine, aligned=True) + 1 if mine else 0  # and its status slot
+    return same, snapshots, opt.sync_buckets.main_bytes(), region
 
 
 @pytest.mark.parametrize("world", WORLDS[1:], ids=WORLD_IDS[1:])
 @pytest.mark.parametrize("wire", sorted(WIRES))
-def test_replicas_hold_the_owners_values_rounded_to_the_wire(pool, world, wire):
+def test_every_replica_equals_the_rounded_main_params_after_every_step(pool, world, wire):
     results = pool.run(replicas_task, wire, **world)
-    owners = results[0][0]
-    for rank, (_, snapshots, dtypes) in enumerate(results):
-        assert all(d == torch.float32 for d in dtypes)
-        for step, params in enumerate(snapshots):
-            for i, p in enumerate(params):
-                exact = results[owners[i]][1][step][i]
-                expected = exact if owners[i] == rank else exact.to(WIRES[wire]).float()
-                assert torch.equal(p, expected), (rank, step, i)
-    rounded = [
-        not torch.equal(r[1][-1][i], results[owners[i]][1][-1][i])
-        for r in results
-        for i in range(len(owners))
-    ]
-    assert any(rounded), "nothing was rounded: the wire was not compressed"
+    for same, snapshots, main_bytes, owned in results:
+        assert same == [True] * len(same)
+        assert all(torch.equal(a, b) for a, b in zip(snapshots, results[0][1]))
+        assert main_bytes == owned * (4 + 1)  # an fp32 main value and a mask byte each
+    assert sum(owned for *_, owned in results) >= sum(p.numel() for p in make_model().parameters())
+
+
+def edited_task(ctx, wire):
+    """A param changed between compressed steps (as ``model.load_state_dict`` does) keeps
+    its new value: the main copy follows it; the other params continue from theirs."""
+    params = near_one_params()
+    opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=1e-4)
+    set_wire(opt, wire)
+    for step in range(5):
+        if step == 3:
+            with torch.no_grad():
+                params[0].fill_(0.5)
+        opt.zero_grad()
+        sum(p.sum() for p in params).backward()
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_a_param_edited_between_steps_keeps_its_new_value(pool, wire):
+    dtype = WIRES[wire]
+    expected = torch.full((64,), 0.5)
+    for _ in range(2):
+        expected = expected - 1e-4
+    main = torch.ones(4)
+    for _ in range(5):
+        main = main - 1e-4
+    for params in pool.run(edited_task, wire, world_size=2):
+        assert torch.equal(params[0], expected.to(dtype).float())
+        assert torch.equal(params[-1], main.to(dtype).float())
 
 
 # ------------------------------------------------------------------ bytes and buffers
@@ -245,12 +289,11 @@ def test_mixed_dtype_model_compresses_only_the_wider_params(pool, world, wire):
     for res in results:
         for i, (p, r) in enumerate(zip(res["params"], res["ref"])):
             assert p.dtype == r.dtype  # no param changes dtype
-            if res["owned"][i]:
-                assert torch.equal(p, r)
-            elif wire_dtype_for(p.dtype, dtype) is None:
+            if wire_dtype_for(p.dtype, dtype) is None:
                 assert torch.equal(p, r)  # travelled as itself
-            else:
-                assert torch.equal(p, results[owners[i]]["params"][i].to(dtype).to(p.dtype))
+            else:  # the gradients do not depend on the values: SGD is the main copy
+                assert torch.equal(p, r.to(dtype).to(p.dtype))
+            assert torch.equal(p, results[owners[i]]["params"][i])  # the owner's too
         numel = res["numel"]
         expected = sum(numel.values()) * 2  # every bucket: 2 bytes per element on the wire
         assert res["sent"] == res["wire_bytes"] == expected

@@ -1,9 +1,12 @@
-"""An exception in one rank's local step raises on every rank, with no hang (issue 13).
+"""An exception in one rank's local step raises on every rank, with no hang (issues 13, 27).
 
 The optimizer, a closure or an inner-optimizer hook raises on ONE rank; every rank of the
 group must raise, naming the failing rank and its error, after every broadcast completed
-(the replicas hold the same values, and the group stays usable). Timeouts are small so that
-a hang fails fast.
+(the replicas hold the same values, and the group stays usable). Above world size 1 the
+status travels with the buckets and is checked at the next call of the library (issue 27:
+no host read per step), so every rank raises at the same call: ``settle()`` right after the
+step, or the start of the next ``step()`` / ``clip_grad_norm()`` / consolidation. Timeouts
+are small so that a hang fails fast.
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ def transport(name):
         del os.environ[TRANSPORT_ENV]
 
 
-def fail_task(ctx, failing, kind="core", via="broadcast", wire=None, how="optimizer"):
+def fail_task(
+    ctx, failing, kind="core", via="broadcast", wire=None, how="optimizer", then="settle"
+):
     model = make_model()
     with transport(via):
         opt = make_optimizer(ctx, model.parameters(), kind)
@@ -110,15 +115,29 @@ def fail_task(ctx, failing, kind="core", via="broadcast", wire=None, how="optimi
                 raise ValueError("an inner step pre-hook failed")
 
             handle = opt.optim.register_step_pre_hook(hook)
-    outcome = catch(opt.step, closure)
+    stepped = catch(opt.step, closure)
     after = flat_params(model)
+    if ctx.world_size > 1:  # the step returned on every rank: the check raises
+        assert stepped == ("ok", None), stepped
+        stepped = check_later(opt, model, then)
+        assert torch.equal(flat_params(model), after)  # nothing stepped before raising
     opt.optim.fail = False
     if handle is not None:
         handle.remove()
     opt.zero_grad()
     backward(model, 2)
     opt.step()  # every rank goes on together
-    return outcome, after, flat_params(model)
+    return stepped, after, flat_params(model)
+
+
+def check_later(opt, model, then):
+    """The call after a failed step that raises on every rank: ``settle()``, or the next
+    iteration's ``step()`` or ``clip_grad_norm()`` (which raise before doing anything)."""
+    if then == "settle":
+        return catch(opt.settle)
+    opt.zero_grad()
+    backward(model, 5)
+    return catch(opt.step if then == "step" else lambda: opt.clip_grad_norm(1.0))
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
@@ -127,6 +146,12 @@ def test_a_failing_inner_step_raises_on_every_rank(pool, world):
     failing = size - 1
     results = pool.run(fail_task, failing, timeout=TIMEOUT, **world)
     check_everyone_raised(results, failing)
+
+
+@pytest.mark.parametrize("then", ["step", "clip"])
+def test_without_settle_the_next_step_or_clip_raises_on_every_rank(pool, then):
+    results = pool.run(fail_task, 1, "core", "broadcast", None, "optimizer", then, world_size=3)
+    check_everyone_raised(results, 1)
 
 
 @pytest.mark.parametrize("via", ["broadcast", "all_gather"])
@@ -159,7 +184,8 @@ def owns_nothing_task(ctx):
         p.grad = torch.ones_like(p)
     owned = sum(len(g["params"]) for g in opt.optim.param_groups)
     opt.optim.fail = ctx.rank == 2
-    outcome = catch(opt.step)
+    assert catch(opt.step) == ("ok", None)
+    outcome = catch(opt.settle)
     return outcome, owned, torch.cat([p.detach() for p in params])
 
 
@@ -172,31 +198,51 @@ def test_a_rank_that_owns_nothing_still_reports_its_failure(pool):
         assert torch.equal(after, torch.full((7,), 0.9))  # the two owners' steps arrived
 
 
-def agree_count_task(ctx, n_params):
-    """How many times the status agreement runs in 3 good steps."""
-    calls = []
-    original = oss_plus._dist.agree
+def collectives_task(ctx, n_params):
+    """The collectives of 3 good steps: their kinds, and how often ``agree`` ran."""
+    from oss_plus import status
+
+    calls, seen = [], []
+    original, broadcast, gather = oss_plus._dist.agree, dist.broadcast, status._all_gather_single
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
+    def counting_broadcast(*args, **kwargs):
+        seen.append("broadcast")
+        return broadcast(*args, **kwargs)
+
+    def counting_gather(*args, **kwargs):
+        seen.append("status all_gather")
+        return gather(*args, **kwargs)
+
     params = [torch.nn.Parameter(torch.ones(5 + i)) for i in range(n_params)]
     opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=0.1)
-    oss_plus._dist.agree = counting
+    patched = (counting, counting_broadcast, counting_gather)
+    oss_plus._dist.agree, dist.broadcast, status._all_gather_single = patched
     try:
         for _ in range(3):
             for p in params:
                 p.grad = torch.ones_like(p)
             opt.step()
     finally:
-        oss_plus._dist.agree = original
-    return len(calls)
+        oss_plus._dist.agree, dist.broadcast, status._all_gather_single = (
+            original,
+            broadcast,
+            gather,
+        )
+    return len(calls), seen, len(opt.sync.buckets)
 
 
 def test_no_extra_collective_unless_a_rank_sends_no_bucket(pool):
-    assert pool.run(agree_count_task, 6, world_size=3, timeout=TIMEOUT) == [0, 0, 0]
-    assert pool.run(agree_count_task, 2, world_size=3, timeout=TIMEOUT) == [3, 3, 3]
+    """Every rank sends a bucket: the buckets alone, no agree. A rank owning nothing (3 ranks,
+    2 params): one small status all_gather per step, started with the buckets (no agree)."""
+    for agreed, seen, buckets in pool.run(collectives_task, 6, world_size=3, timeout=TIMEOUT):
+        assert agreed == 0 and seen == ["broadcast"] * buckets * 3, seen
+    for agreed, seen, buckets in pool.run(collectives_task, 2, world_size=3, timeout=TIMEOUT):
+        assert agreed == 0 and buckets == 2
+        assert seen == ["status all_gather", "broadcast", "broadcast"] * 3, seen
 
 
 # ------------------------------------------------------------------ the overlapped step

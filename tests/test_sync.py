@@ -25,6 +25,7 @@ from oss_plus.sync import (
     Transport,
     bucket_numel,
 )
+from oss_plus.transport import requested
 
 WIRES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -42,17 +43,17 @@ def expected_via(kind, world_size):
 # ------------------------------------------------------------------ pure
 def test_transport_names_are_validated_and_the_env_var_overrides_auto(monkeypatch):
     monkeypatch.delenv(TRANSPORT_ENV, raising=False)
-    assert sync._requested("auto") is Transport.AUTO
-    assert sync._requested(Transport.ALL_GATHER) is Transport.ALL_GATHER
+    assert requested("auto") is Transport.AUTO
+    assert requested(Transport.ALL_GATHER) is Transport.ALL_GATHER
     with pytest.raises(ValueError, match="transport must be one of") as err:
-        sync._requested("nccl")
+        requested("nccl")
     assert str(err.value) == BAD_TRANSPORT.format(where="transport", value="nccl")
     monkeypatch.setenv(TRANSPORT_ENV, "broadcast")
-    assert sync._requested("auto") is Transport.BROADCAST
-    assert sync._requested("all_gather") is Transport.ALL_GATHER  # explicit beats the env
+    assert requested("auto") is Transport.BROADCAST
+    assert requested("all_gather") is Transport.ALL_GATHER  # explicit beats the env
     monkeypatch.setenv(TRANSPORT_ENV, "shm")  # no transport of our own
     with pytest.raises(ValueError, match=TRANSPORT_ENV):
-        sync._requested("auto")
+        requested("auto")
 
 
 def test_bucket_numel_pads_every_param_to_the_allocator_alignment():
@@ -109,7 +110,7 @@ def compressed_task(ctx, kind, wire):
             params, optim=torch.optim.SGD, group=ctx.group, lr=1e-4, broadcast_dtype=WIRES[wire]
         )
     exact = [p.detach().clone() for p in params]
-    traffic = []
+    traffic, rounded = [], []
     for step in range(3):
         opt.zero_grad()
         sum((p * (i + step + 1)).sum() for i, p in enumerate(params)).backward()
@@ -118,19 +119,26 @@ def compressed_task(ctx, kind, wire):
         traffic.append(seen)
         with torch.no_grad():
             for i, e in enumerate(exact):
-                e.sub_(1e-4 * (i + step + 1))
+                e.sub_(1e-4 * (i + step + 1))  # plain SGD: the main copies, exact
+        rounded.append(
+            all(torch.equal(p, e.to(WIRES[wire]).float()) for p, e in zip(params, exact))
+        )
     owned = [opt.param_to_rank[p] == ctx.rank for p in params]
     values = [p.detach().clone() for p in params]
-    opt.broadcast_dtype = None  # one more step, uncompressed
+    opt.broadcast_dtype = None  # one more step, uncompressed: exact values everywhere
     with wire_traffic() as seen:
         opt.step()
+    with torch.no_grad():
+        for i, e in enumerate(exact):
+            e.sub_(1e-4 * (i + 3))  # the last gradients again
+    after = [torch.equal(p, e) for p, e in zip(params, exact)]
     full = sum(b for _, _, b in seen)
     sent = [sum(b for _, _, b in seen) for seen in traffic]  # measured at the collectives
     dtypes = {d for seen in traffic for _, d, _ in seen}
     return (
         owned,
         values,
-        exact,
+        (rounded, after),
         sent,
         (full, dtypes),
         {via for seen in traffic for via, _, _ in seen},
@@ -140,23 +148,17 @@ def compressed_task(ctx, kind, wire):
 @pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "offset23"])
-def test_owners_keep_exact_values_and_replicas_get_the_rounded_copy(pool, kind, wire, world):
+def test_every_replica_holds_the_main_values_rounded_and_no_wire_makes_them_exact(
+    pool, kind, wire, world
+):
     results = pool.run(compressed_task, kind, wire, **world)
-    owner_values = {}
-    for owned, values, _, _, _, _ in results:
-        for i, mine in enumerate(owned):
-            if mine:
-                owner_values[i] = values[i]
-    for owned, values, exact, sent, (full, dtypes), via in results:
+    for _, values, (rounded, after), sent, (full, dtypes), via in results:
         assert via == {kind}  # the collective the transport names was called
         assert dtypes == {WIRES[wire]}  # only the wire dtype travelled
         assert sent == [full // 2] * 3  # half the bytes of an uncompressed sync, every step
-        for i, value in enumerate(values):
-            if owned[i]:  # the owner never rounds its own weights
-                torch.testing.assert_close(value, exact[i], rtol=0, atol=1e-6)
-                assert not torch.equal(value, value.to(WIRES[wire]).float())
-            else:
-                assert torch.equal(value, owner_values[i].to(WIRES[wire]).float())
+        assert rounded == [True] * 3  # every rank, the owner too: the main values, rounded
+        assert after == [True] * len(after)  # the wire off: exact values everywhere
+        assert all(torch.equal(v, w) for v, w in zip(values, results[0][1]))
 
 
 def mixed_dtypes_task(ctx, wire):
@@ -186,12 +188,12 @@ def mixed_dtypes_task(ctx, wire):
 @pytest.mark.parametrize("wire", sorted(WIRES))
 def test_mixed_dtypes_only_wider_params_are_rounded(pool, wire):
     results = pool.run(mixed_dtypes_task, wire, world_size=3)
-    for rank, (owners, values, ref, via) in enumerate(results):
+    for _, values, ref, via in results:
         assert set(via) == {"broadcast"}
-        for i, (value, expected) in enumerate(zip(values, ref)):
+        for value, expected in zip(values, ref):
             assert value.dtype == expected.dtype
             narrow = sync.wire_dtype_for(value.dtype, WIRES[wire])
-            if owners[i] == rank or narrow is None:
+            if narrow is None:
                 assert torch.equal(value, expected)
             else:
                 assert torch.equal(value, expected.to(narrow).to(value.dtype))

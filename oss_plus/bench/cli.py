@@ -156,7 +156,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--steps", type=int, help=f"timed steps per round (default {defaults.steps})")
     add("--warmup", type=int, help=f"untimed steps per round (default {defaults.warmup})")
     add("--rounds", type=int, help=f"rounds, order rotated each round (default {defaults.rounds})")
-    add("--impls", help="comma-separated rows (default all): " + ",".join(IMPLS))
+    add("--impls", help="comma-separated rows (default all but oss_plus_again): " + ",".join(IMPLS))
     add(
         "--sweep-sizes",
         help="model sizes (M) to sweep, '' for none (default "

@@ -6,6 +6,9 @@ of spawned ranks, DDP + each optimizer row below on the same model, data and ran
 * ``oss_plus_overlap`` / ``oss_plus_overlap_interleaved``: :func:`oss_plus.overlap.overlap_with_ddp`
   (the step inside DDP's backward, both schedules);
 * ``oss_plus``: DDP + :class:`oss_plus.OSS`, ``step()`` after ``backward()``;
+* ``oss_plus_attach``: the same, the parameter sync overlapped with the next forward
+  (:meth:`oss_plus.OSS.attach`: ``step()`` returns with the sync in flight, each module
+  waits for its own buckets);
 * ``torch_zero`` / ``torch_zero_bv``: DDP + torch's ZeroRedundancyOptimizer (without / with
   ``parameters_as_bucket_view``), ``step()`` after ``backward()``;
 * ``torch_zero_overlap``: torch's own ``hook_with_zero_step`` (on gloo with torch's guard
@@ -49,6 +52,7 @@ ROWS: dict[str, tuple[str, str | None]] = {
     "oss_plus_overlap": ("DDP + oss_plus, step overlapped", None),
     "oss_plus_overlap_interleaved": ("DDP + oss_plus, step interleaved", None),
     "oss_plus": ("DDP + oss_plus, step after backward", None),
+    "oss_plus_attach": ("DDP + oss_plus, sync overlapped with forward", None),
     "torch_zero": ("DDP + torch ZeRO", None),
     "torch_zero_bv": ("DDP + torch ZeRO bucket view", None),
     "torch_zero_overlap": ("DDP + torch ZeRO overlap (hook_with_zero_step)", None),
@@ -126,7 +130,9 @@ def _build(key: str, ddp: DDP, optimizer: str) -> Callable[[], Any] | None:
     params = list(ddp.parameters())
     if key.startswith("oss_plus"):
         opt = OSS(params, optim=cls, **kwargs)
-        if key == "oss_plus":
+        if key == "oss_plus_attach":
+            opt.attach(ddp)
+        if key in ("oss_plus", "oss_plus_attach"):
             return opt.step
         overlap_with_ddp(ddp, opt, interleaved=key.endswith("interleaved"))
         return None
@@ -175,6 +181,9 @@ def _row(cfg: DDPBenchConfig, key: str, model: torch.nn.Module, slowest: torch.T
     times = []
     for i in range(cfg.steps):
         times += timed(functools.partial(_iteration, ddp, step, batches[i % 4]), 1, slowest)
+    settle = getattr(getattr(step, "__self__", None), "settle", None)
+    if settle is not None:  # a sync still in flight (oss_plus_attach)
+        settle()
     final = torch.cat([p.detach().reshape(-1).cpu() for p in ddp.parameters()])
     return {"times": times, "final": final}
 
@@ -243,7 +252,7 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Iteration time of each overlapped row divided by each other row's (< 1: faster)."""
     return {
         key: {other: rows[key]["iter_s"] / rows[other]["iter_s"] for other in rows if other != key}
-        for key in ("oss_plus_overlap", "oss_plus_overlap_interleaved")
+        for key in ("oss_plus_overlap", "oss_plus_overlap_interleaved", "oss_plus_attach")
         if key in rows
     }
 

@@ -2,8 +2,9 @@
 
 Three measurements, each in fresh spawned ranks:
 
-* timing: all implementations in one set of ranks, in ``rounds`` rounds with the order
-  rotated each round (so a noisy neighbour hits every row alike); each round builds the row
+* timing: all implementations in one set of ranks, in ``rounds`` rounds in varying orders
+  (:func:`oss_plus.bench.step_ranks.orders`: every position, varying neighbours, so a
+  noisy neighbour or the row before hits every row alike); each round builds the row
   from a fresh copy of the model, runs ``warmup`` steps, then times ``steps`` steps. A step's
   time is the slowest rank's (barrier before, ``all_reduce(MAX)`` after, both untimed); on
   CUDA the span of CUDA events around it. Also recorded: the host time of a step (until
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from oss_plus._launch import pick_backend, run_local, threads_per_rank
-from oss_plus.bench.impls import IMPLS, check_common, linear_layers
+from oss_plus.bench.impls import IMPLS, OPT_IN, check_common, linear_layers
 from oss_plus.bench.step_ranks import memory_rank, profile_rank, timing_rank
 
 #: Rows of the size / world-size sweeps (when available).
@@ -63,7 +64,7 @@ class BenchConfig:
     warmup: int = 2
     rounds: int = 3
     memory_steps: int = 3
-    impls: tuple[str, ...] = tuple(IMPLS)
+    impls: tuple[str, ...] = tuple(k for k in IMPLS if k not in OPT_IN)
     sweep_sizes: tuple[float, ...] = (5.0, 20.0, 50.0)
     sweep_worlds: tuple[int, ...] = ()
     sweep_impls: tuple[str, ...] = SWEEP_IMPLS

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import random
 import resource
 from typing import TYPE_CHECKING, Any
 
@@ -100,9 +101,26 @@ def _fits_interleaved(cfg: BenchConfig, keys: list[str], size: float) -> bool:
     return per_row * len(keys) * dist.get_world_size() < 0.5 * total
 
 
+def orders(keys: list[str], count: int, seed: int) -> list[list[str]]:
+    """``count`` orders of ``keys``, the same on every rank: a rotation each (every row at
+    every position), the rotations of odd ones reversed (so that a row does not always run
+    right after the same row, as it does under rotation alone), in a seeded shuffled
+    sequence.
+
+    Example:
+        >>> orders(["a", "b", "c"], 6, 0)[:3]
+        [['a', 'c', 'b'], ['c', 'a', 'b'], ['b', 'c', 'a']]
+    """
+    n = len(keys)
+    made = [keys[i % n :] + keys[: i % n] for i in range(count)]
+    made = [order[::-1] if (i // n) % 2 else order for i, order in enumerate(made)]
+    random.Random(seed).shuffle(made)
+    return made
+
+
 def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor) -> dict:
-    """Every row alive at once, one step of each in turn (order rotated every cycle): a noisy
-    neighbour slows every row alike."""
+    """Every row alive at once, one step of each in turn (:func:`orders`): a noisy neighbour
+    slows every row alike."""
     runners = {k: IMPLS[k].build(make_params(cfg, size), cfg.optimizer) for k in keys}
     for _ in range(cfg.warmup):
         for runner in runners.values():
@@ -110,8 +128,8 @@ def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
     host: dict[str, list[float]] = {k: [] for k in keys}
-    for cycle in range(cfg.rounds * cfg.steps):
-        for key in keys[cycle % len(keys) :] + keys[: cycle % len(keys)]:
+    for order in orders(keys, cfg.rounds * cfg.steps, cfg.seed):
+        for key in order:
             times[key] += timed(runners[key].step, 1, slowest, cpu[key], host[key])
     rows = {}
     for key, runner in runners.items():
@@ -121,10 +139,10 @@ def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.
 
 
 def _blocks(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor) -> dict:
-    """One row at a time, built fresh for each of ``rounds`` rounds (order rotated)."""
+    """One row at a time, built fresh for each of ``rounds`` rounds (:func:`orders`)."""
     rows: dict[str, dict[str, Any]] = {}
-    for r in range(cfg.rounds):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+    for order in orders(keys, cfg.rounds, cfg.seed):
+        for key in order:
             runner = IMPLS[key].build(make_params(cfg, size), cfg.optimizer)
             result = _measure(runner, slowest, cfg.warmup, cfg.steps, device(cfg.device))
             row = rows.setdefault(key, {**result, "times": [], "cpu": [], "clip": [], "host": []})

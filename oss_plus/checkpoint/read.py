@@ -82,6 +82,7 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "load_checkpoint")
+    optimizer.settle()  # the last step's sync done and its status raised on every rank
     root = Path(path)
 
     def read() -> tuple[Index, dict[int, dict[str, Any]]]:

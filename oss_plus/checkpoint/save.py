@@ -113,6 +113,7 @@ def save_checkpoint(
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "save_checkpoint")
+    optimizer.settle()  # the last step's sync done and its status raised on every rank
     saver = background.saver_of(optimizer)
     saver.settle()
     if blocking:

@@ -66,7 +66,8 @@ class OSS(CompatOSS):
         group: the process group to shard over (default: WORLD).
         broadcast_buffer_size: ignored (deprecated in fairscale too).
         broadcast_fp16: send params as fp16 on the wire. A plain attribute read at every
-            step. Unlike fairscale, the owner keeps its exact values (fairscale #1).
+            step. Unlike fairscale, the owner keeps its exact values in a main copy, so
+            small updates are not lost (fairscale #1); every replica holds them rounded.
         force_broadcast_object: ignored (state never travels as a pickled object).
         collective_state_dict: keyword-only (not in fairscale): ``state_dict()`` without a
             prior consolidation is collective and consolidates on every rank (Accelerate,

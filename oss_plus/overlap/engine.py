@@ -218,6 +218,7 @@ class DDPOverlap:
             saved = [g["params"] for g in inner.param_groups]
             previous = [p.grad for p in entry.owned]
             try:
+                self._layout().transport.restore(self._wire, entry.pieces)  # exact values back
                 for group, params in zip(inner.param_groups, narrowed):
                     group["params"] = params
                 for p, position in zip(entry.owned, entry.positions):

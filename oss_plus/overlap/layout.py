@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from oss_plus._layout import Bucket, lay_out
+from oss_plus.main_copy import carry_main_values, main_values
 from oss_plus.sync import BucketSync
 
 __all__ = ["Entry", "OverlapSync", "PieceLayout", "make_entry"]
@@ -96,6 +97,7 @@ class PieceLayout:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.entries: dict[int, Entry] = {}
+        self._carried: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
 
     def find(self, index: int, params: Sequence[torch.Tensor]) -> Entry | None:
         """Return the entry of DDP bucket ``index`` if it holds exactly ``params``."""
@@ -115,9 +117,12 @@ class PieceLayout:
             for k, e in self.entries.items()
             if k == index or any(id(p) in members for b in e.pieces for p in b.params)
         ]
+        # exact values of what this rank sent compressed, until their params are laid out
+        self._carried.update(main_values([b for k in stale for b in self.entries[k].pieces]))
         for k in stale:
             _drop(self.entries.pop(k))
         pieces = [lay_out(owner, [params[i] for i in where], True) for owner, where in plan]
+        carry_main_values(pieces, self._carried)
         entry = make_entry(ids, params, plan, self.rank, pieces)
         self.entries[index] = entry
         logger.debug(

@@ -8,7 +8,8 @@ worker) and in ``torchrun`` children, and breaks the library the same way everyw
   with DDP (:class:`oss_plus.overlap.DDPOverlap`) neither steps nor broadcasts;
 * ``local``: the inner optimizer's step does nothing, the sync still runs (in the overlapped
   step too: its buckets are broadcast unchanged);
-* ``sync``: the local step runs, the parameter sync does nothing (replicas diverge); in the
+* ``sync``: the local step runs, the parameter sync (``BucketSync.launch`` and ``sync``)
+  does nothing (replicas diverge); in the
   overlapped step, no piece is broadcast.
 
 Example (see CONTRIBUTING.md, "Every test must fail on a no-op")::
@@ -45,6 +46,11 @@ def _install(mode: str) -> None:
         if error is not None:
             raise error
 
+    def no_launch(self: Any, wire: Any = None, code: int = 0) -> Any:
+        from oss_plus.inflight import InFlight
+
+        return InFlight([], {}, None, self.group)
+
     def no_overlap_step(self: Any, entry: Any, bucket: Any, value: Any) -> None:
         return None
 
@@ -60,6 +66,7 @@ def _install(mode: str) -> None:
         DDPOverlap._step = no_overlap_step  # type: ignore[method-assign]
     elif mode == "sync":
         BucketSync.sync = no_sync  # type: ignore[method-assign]
+        BucketSync.launch = no_launch  # type: ignore[method-assign]
         OverlapSync.broadcast = no_broadcast  # type: ignore[method-assign]
     else:
         raise SystemExit(f"OSS_PLUS_NOOP={mode!r}: expected step, local or sync")
