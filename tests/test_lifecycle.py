@@ -32,6 +32,7 @@ from helpers import (
 
 from oss_plus import OSS
 from oss_plus._dist import use_counts
+from oss_plus.checkpoint import comm
 from oss_plus.compat.ddp_zero_hook import hook_with_zero_step
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
 from oss_plus.overlap import ddp_reduce_hook, overlap_hook
@@ -163,3 +164,43 @@ def test_an_overlapped_backward_returns_after_gloo_dropped_its_tensors(pool, kin
     for held in pool.run(overlap_released_task, kind, world_size=2, timeout=60):
         assert len(held) == ITERATIONS
         assert held == [[]] * len(held)
+
+
+def checkpoint_comm_task(ctx) -> dict[str, int]:
+    """Per collective of a save (the checkpoint's metadata gather, barrier and broadcast, the
+    stream of tensors to rank 0), in how many of :data:`ITERATIONS` calls gloo's worker still
+    held a tensor right after the call returned (1 s switch interval, as above)."""
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (3, 300, 5)]
+    items = [
+        (r, t if r == 0 else None, t.numel() * t.element_size())
+        for r in range(ctx.world_size)
+        for t in tensors
+    ]
+    text = "ab" if ctx.rank == 0 else None
+    calls = {
+        "gather_json": lambda: comm.gather_json({"rank": ctx.rank}, ctx.group),
+        "barrier": lambda: comm.barrier(ctx.group),
+        "broadcast_text": lambda: comm.broadcast_text(text, 2, ctx.group),
+        "stream": lambda: (
+            comm.receive_to_file(items, None, 0, ctx.group)
+            if ctx.rank == 0
+            else comm.send_tensors(tensors, ctx.group)
+        ),
+    }
+    held = dict.fromkeys(calls, 0)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        for _ in range(ITERATIONS):
+            for name, call in calls.items():
+                with collective_tensors() as seen:
+                    call()
+                    held[name] += bool(still_held(seen))
+    finally:
+        sys.setswitchinterval(interval)
+    return held
+
+
+def test_the_checkpoint_collectives_return_after_gloo_dropped_their_tensors(pool):
+    for held in pool.run(checkpoint_comm_task, world_size=2, timeout=60):
+        assert held == dict.fromkeys(held, 0)
