@@ -262,6 +262,62 @@ def wire_traffic() -> Iterator[list[tuple[str, torch.dtype, int]]]:
         dist.broadcast, sync._all_gather_single = broadcast, gather
 
 
+#: The ``torch.distributed`` functions :func:`collective_tensors` watches.
+WATCHED_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "gather",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+@contextlib.contextmanager
+def collective_tensors() -> Iterator[list[tuple[str, torch.Tensor, int]]]:
+    """Record ``(collective, tensor, use count before the call)`` of every tensor handed to
+    the functions of :data:`WATCHED_COLLECTIVES` inside the block (lists of tensors too).
+
+    Taken at the ``torch.distributed`` call, not from oss_plus's own bookkeeping: after the
+    caller returned, a use count still above the recorded one means gloo's worker still holds
+    the tensor (it drops it after ``wait()`` returned; docs/reliability.md, "Process exit").
+    """
+    import torch.distributed as dist
+
+    seen: list[tuple[str, torch.Tensor, int]] = []
+    real = {name: getattr(dist, name) for name in WATCHED_COLLECTIVES}
+
+    def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        for value in (*args, *kwargs.values()):
+            items = value if isinstance(value, (list, tuple)) else [value]
+            found += [t for t in items if isinstance(t, torch.Tensor)]
+        return found
+
+    def watching(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.extend((name, t, t._use_count()) for t in tensors_in(args, kwargs))
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in WATCHED_COLLECTIVES:
+        setattr(dist, name, watching(name))
+    try:
+        yield seen
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def still_held(seen: list[tuple[str, torch.Tensor, int]]) -> list[tuple[str, int, int]]:
+    """``(collective, use count now, before)`` of the recorded tensors still held by a
+    collective (see :func:`collective_tensors`)."""
+    return [(name, t._use_count(), count) for name, t, count in seen if t._use_count() > count]
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

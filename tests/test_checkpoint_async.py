@@ -229,3 +229,32 @@ def test_the_writer_thread_yields_the_cpu_to_training():
     thread.join()
     assert seen == [max(before, background.WRITER_NICENESS)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+#: Two optimizer groups sharing global rank 2, in the order their saves run.
+OVERLAPPING_GROUPS = ((0, 1, 2), (2, 3))
+
+
+def overlapping_task(ctx, root: str):
+    """Rank 2 is in both optimizer groups: it makes a checkpoint group for the first, so
+    it knows one group more than rank 3 when both make one for the second."""
+    problems = {}
+    for ranks in OVERLAPPING_GROUPS:
+        if ctx.global_rank not in ranks:
+            continue
+        model, opt = adam(ctx.groups[ranks])
+        train(model, opt, 2)
+        path = os.path.join(root, "_".join(map(str, ranks)))
+        future = save_checkpoint(opt, path, blocking=False)
+        assert future is not None and future.result(timeout=60) == path
+        problems[ranks] = diff(read_state_dict(path), opt.state_dict(all_ranks=True))
+    return problems
+
+
+def test_asynchronous_saves_of_two_groups_sharing_a_rank(pool, tmp_path):
+    """torch names a group made with use_local_synchronization=True after the number of
+    groups each rank knows, so rank 2 and rank 3 would wait for each other under different
+    names (until the checkpoint group's 10-minute timeout)."""
+    results = pool.run(overlapping_task, str(tmp_path), world_size=4, timeout=60)
+    for rank, problems in enumerate(results):
+        assert problems == {r: None for r in OVERLAPPING_GROUPS if rank in r}

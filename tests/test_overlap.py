@@ -246,31 +246,60 @@ def test_ddp_reduce_hook_is_ddps_own_averaging_bit_for_bit(pool):
     assert pool.run(default_hook_task, world_size=3) == [True] * 3
 
 
+def wire_reference(ctx, model, owner_of, wire):
+    """What a wire dtype means, computed without oss_plus: plain DDP (its own averaging) and
+    the unsharded Adam over exact master copies of every param (the same two groups), then
+    each rank keeps the master values of the params it owns and the master values rounded
+    to ``wire`` of the others (what it received). Returns the DDP model, its step and the
+    masters."""
+    cls, kwargs = OVERLAP_OPTIMIZERS["adam"]
+    ddp = ddp_of(ctx, model)
+    params = list(ddp.module.parameters())
+    master = [p.detach().clone() for p in params]
+    opt = cls([{"params": master[::2]}, {"params": master[1::2], "lr": kwargs["lr"] / 3}], **kwargs)
+
+    @torch.no_grad()
+    def step():
+        for m, p in zip(master, params):
+            m.grad = p.grad
+        opt.step()
+        for i, (m, p) in enumerate(zip(master, params)):
+            p.copy_(m if owner_of[i] == ctx.rank else m.to(wire).to(p.dtype))
+
+    return ddp, step, master
+
+
 def wire_task(ctx, interleaved):
-    """bf16 on the wire: the overlapped step equals DDP + OSS.step() with the same wire."""
+    """bf16 on the wire: the overlapped step equals :func:`wire_reference` at every
+    iteration, on every rank."""
     model = make_overlap_model()
-    pair = build(
+    ddp, opt = build(
         ctx, copy.deepcopy(model), "adam", overlap=interleaved, broadcast_dtype=torch.bfloat16
     )
-    cls, kwargs = OVERLAP_OPTIMIZERS["adam"]
-    ref_ddp = ddp_of(ctx, copy.deepcopy(model))
-    ref = (
-        ref_ddp,
-        OSS(
-            groups_of(ref_ddp.module, kwargs["lr"]),
-            optim=cls,
-            group=ctx.group,
-            broadcast_dtype=torch.bfloat16,
-            **kwargs,
-        ),
-    )
-    return train_both(ctx, pair, ref, range(4))
+    owner = opt.param_to_rank
+    owner_of = [owner[p] for p in ddp.module.parameters()]
+    ref_ddp, ref_step, master = wire_reference(ctx, copy.deepcopy(model), owner_of, torch.bfloat16)
+    same, rounded = [], []
+    for it in range(4):
+        for d in (ref_ddp, ddp):
+            for p in d.parameters():
+                p.grad = None
+            overlap_loss(d, it, ctx.rank).backward()
+        ref_step()
+        same.append(params_equal(ddp, ref_ddp))
+        pairs = zip(owner_of, ref_ddp.parameters(), master)
+        rounded.append(any(o != ctx.rank and not torch.equal(p, m) for o, p, m in pairs))
+    return same, rounded
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_wire_dtype_as_the_plain_step(pool, interleaved):
-    for result in pool.run(wire_task, interleaved, world_size=2, timeout=30):
-        assert result == [True] * 4
+def test_wire_dtype_equals_the_unsharded_step_rounded_on_the_wire(pool, interleaved):
+    """Independent of the plain ``OSS.step()`` (which the no-op mutants of tests/noop break
+    too): every rank holds the unsharded optimizer's values of the params it owns and those
+    values rounded to bf16 of the others, after every iteration."""
+    for same, rounded in pool.run(wire_task, interleaved, world_size=2, timeout=30):
+        assert same == [True] * 4
+        assert all(rounded)  # the rounding is visible: bf16 differs from the masters
 
 
 def reallocation_task(ctx):

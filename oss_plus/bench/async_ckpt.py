@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from oss_plus import OSS, load_checkpoint, save_checkpoint
+from oss_plus import OSS, _dist, load_checkpoint, save_checkpoint
 from oss_plus._launch import run_local
 from oss_plus.bench.measure import PeakRSS, rss
 from oss_plus.checkpoint import staging_nbytes
@@ -84,7 +84,8 @@ def _all_done(future: Any) -> bool:
     whose own save finished first would wait in the next collective while the others step.
     """
     flag = torch.tensor([int(future.done())], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    with _dist.released(dist.group.WORLD, flag):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 

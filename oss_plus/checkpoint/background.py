@@ -14,13 +14,14 @@ or not) waits for it, and raises :data:`PREVIOUS_SAVE_FAILED` if it failed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import datetime
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from oss_plus.checkpoint.format import PlainValue
 from oss_plus.checkpoint.plan import Entries, Slot, replace_slots, tensor_slots
 
-__all__ = ["PREVIOUS_SAVE_FAILED", "Saver", "saver_of", "staging_nbytes"]
+__all__ = ["PREVIOUS_SAVE_FAILED", "Saver", "checkpoint_group", "saver_of", "staging_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,22 @@ PREVIOUS_SAVE_FAILED = (
 #: Timeout of the checkpoint process group (a peer that died fails the save after it).
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
+#: Logged when this torch cannot be told the checkpoint group's name.
+NO_GROUP_NAMING = (
+    "this torch has no distributed_c10d._process_group_name: the checkpoint group of an "
+    "asynchronous save takes torch's own name, which differs between ranks that made "
+    "different numbers of process groups (the group's creation then times out)"
+)
+
 #: Niceness of the background writer thread (0-19; higher yields more CPU to training).
 WRITER_NICENESS = 10
 
-_GROUPS: dict[tuple[int, ...], Any] = {}
+#: The checkpoint group of each set of global ranks, with the default group it was made in.
+_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+#: How many checkpoint groups this process made for each set of global ranks.
+_MADE: dict[tuple[int, ...], int] = {}
+#: Serializes the naming of checkpoint groups (see :func:`checkpoint_group`).
+_NAMING = threading.Lock()
 _SAVERS: weakref.WeakKeyDictionary[Any, Saver] = weakref.WeakKeyDictionary()
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
@@ -108,13 +121,8 @@ class Saver:
 
     @property
     def group(self) -> Any:
-        """The gloo group over the optimizer group's ranks (created on first use; collective)."""
-        ranks = tuple(dist.get_process_group_ranks(self._parent))
-        if ranks not in _GROUPS:
-            _GROUPS[ranks] = dist.new_group(
-                list(ranks), timeout=GROUP_TIMEOUT, backend="gloo", use_local_synchronization=True
-            )
-        return _GROUPS[ranks]
+        """The gloo group over the optimizer group's ranks (see :func:`checkpoint_group`)."""
+        return checkpoint_group(tuple(dist.get_process_group_ranks(self._parent)))
 
     def settle(self) -> None:
         """Wait for the save in flight; raise :data:`PREVIOUS_SAVE_FAILED` if it failed."""
@@ -146,6 +154,60 @@ class Saver:
         _THREADS.add(thread)
         thread.start()
         return future
+
+
+def checkpoint_group(ranks: tuple[int, ...]) -> Any:
+    """Return the gloo group the writer threads of ``ranks`` use (made on first use).
+
+    Only the ranks of an optimizer's group save, so the group is made with
+    ``use_local_synchronization=True``. torch then names it after the number of process
+    groups the rank knows (a hash of the ranks and ``len(pg_names)``), and the members meet
+    in the store under that name: ranks that made different numbers of groups before (a
+    rank in two optimizer groups that both save asynchronously, or in a subgroup the others
+    are not in) would wait for each other under different names until the timeout. So the
+    name is chosen here, the same on every member whatever groups it made: the ranks and
+    how many checkpoint groups this process made for them before (more than one only after
+    the default group was made again).
+
+    .. warning:: Collective: call on every rank of ``ranks`` (the first time).
+    """
+    world = dist.group.WORLD
+    cached = _GROUPS.get(ranks)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    made = _MADE.get(ranks, 0)
+    name = "oss_plus_checkpoint_" + "_".join(map(str, ranks)) + f"_{made}"
+    with _NAMING, _group_named(name):
+        group = dist.new_group(
+            list(ranks), timeout=GROUP_TIMEOUT, backend="gloo", use_local_synchronization=True
+        )
+    _GROUPS[ranks], _MADE[ranks] = (world, group), made + 1
+    return group
+
+
+@contextlib.contextmanager
+def _group_named(name: str) -> Iterator[None]:
+    """Inside the block, the next process group torch makes is named ``name``.
+
+    torch has no public way to name a group: this replaces the function ``new_group`` asks
+    for the name (``torch.distributed.distributed_c10d._process_group_name``). Without it
+    (another torch), torch's own name is used and the limitation above remains.
+    """
+    c10d = dist.distributed_c10d
+    torchs = getattr(c10d, "_process_group_name", None)
+    if torchs is None:
+        logger.warning(NO_GROUP_NAMING)
+        yield
+        return
+
+    def named(ranks: Any, use_hashed_name: Any) -> Any:
+        return name
+
+    c10d._process_group_name = named
+    try:
+        yield
+    finally:
+        c10d._process_group_name = torchs
 
 
 def _lower_priority() -> None:

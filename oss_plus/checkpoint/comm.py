@@ -23,7 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import Piece, comm_device, global_rank, message_plan, pad_bytes, released
+from oss_plus._dist import (
+    Piece,
+    await_release,
+    comm_device,
+    global_rank,
+    message_plan,
+    pad_bytes,
+    released,
+    use_counts,
+)
 from oss_plus.checkpoint import storage
 
 __all__ = [
@@ -60,7 +69,8 @@ def gather_json(obj: Any, group: Any) -> list[Any] | None:
     """
     mine, sizes = pad_bytes(json.dumps(obj, allow_nan=False).encode(), group)
     gathered = [torch.empty_like(mine) for _ in sizes] if dist.get_rank(group) == 0 else None
-    dist.gather(mine, gathered, dst=global_rank(group, 0), group=group)
+    with released(group, mine, *(gathered or [])):
+        dist.gather(mine, gathered, dst=global_rank(group, 0), group=group)
     if gathered is None:
         return None
     return [json.loads(bytes(t[:n].cpu().numpy())) for t, n in zip(gathered, sizes)]
@@ -119,9 +129,12 @@ def send_tensors(tensors: Sequence[torch.Tensor], group: Any) -> tuple[list[int]
                 if pack is None:
                     pack = torch.empty(storage.CHUNK_BYTES, dtype=torch.uint8)
                 buffer = pack[: sum(n for _, _, n in message)].zero_()
-            work = dist.isend(buffer.to(device), dst=dst, group=group)
-            if work is not None:
-                work.wait()
+            buffer = buffer.to(device)
+            with released(group, buffer):
+                work = dist.isend(buffer, dst=dst, group=group)
+                if work is not None:
+                    work.wait()
+                del work
     return crcs, error
 
 
@@ -243,7 +256,7 @@ class _Prefetcher:
             torch.empty(storage.CHUNK_BYTES, dtype=torch.uint8, device=device)
             for _ in range(min(2, len(schedule)))
         ]
-        self._posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._posted: dict[int, tuple[Any, torch.Tensor, list[int]]] = {}
         self._next = 0
         self.post()
 
@@ -251,11 +264,15 @@ class _Prefetcher:
         while self._next < len(self._schedule) and len(self._posted) < len(self._buffers):
             owner, size, _ = self._schedule[self._next]
             view = self._buffers[self._next % len(self._buffers)][:size]
+            counts = use_counts([view])
             work = dist.irecv(view, src=global_rank(self._group, owner), group=self._group)
-            self._posted[self._next] = (work, view)
+            self._posted[self._next] = (work, view, counts)
             self._next += 1
 
     def take(self, k: int) -> torch.Tensor:
-        work, view = self._posted.pop(k)
+        """Wait for message ``k``; return its bytes once the transport let go of them."""
+        work, view, counts = self._posted.pop(k)
         work.wait()
+        del work
+        await_release([view], counts, self._group)
         return view

@@ -5,6 +5,7 @@ hook's annotations and accepts only the real ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -13,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from oss_plus import _dist
 from oss_plus.optimizer import OSS
 from oss_plus.partition import Rule
 
-__all__ = ["CommHook", "check_pairing", "ddp_reduce_hook", "grad_views"]
+__all__ = ["CommHook", "check_pairing", "ddp_reduce_hook", "grad_views", "reduce_bucket"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ def ddp_reduce_hook(
     differently when the world size is not a power of two (1 ulp at world size 3), so DDP +
     ``allreduce_hook`` is not bit-identical to DDP without a hook; with this hook the
     gradients equal DDP's own bit for bit (tested in fp32, world sizes 2 to 4, with and
-    without ``gradient_as_bucket_view``).
+    without ``gradient_as_bucket_view``). Under the overlap
+    (:class:`~oss_plus.overlap.DDPOverlap`), ``backward()`` returns only once gloo's worker
+    let go of this all-reduce (see :func:`reduce_bucket`).
 
     Args:
         process_group: the group to average over (None: WORLD, as torch's hooks).
@@ -59,14 +63,42 @@ def ddp_reduce_hook(
 
     .. warning:: Collective: call on every rank of ``process_group``.
     """
+    return reduce_bucket(process_group, bucket)[0]
+
+
+def reduce_bucket(
+    process_group: Any, bucket: dist.GradBucket
+) -> tuple[torch.futures.Future[torch.Tensor], list[tuple[torch.Tensor, int]]]:
+    """:func:`ddp_reduce_hook`, also returning what its collective holds.
+
+    The all-reduce is given its own tensor object over the bucket's memory (``detach()``, a
+    view), so that only this collective and the caller hold it: once the work is done, its
+    use count is back to the one returned, which :func:`oss_plus._dist.await_release` waits
+    for. (The bucket's own tensor is held by DDP's reducer and its ``GradBucket`` copies,
+    whose number changes during ``backward()``, so its count says nothing.) Why wait: a work
+    issued inside ``backward()`` holds torch's thread-local state, which references a Python
+    object (the context autograd stashes for the backward), and gloo's worker destroys the
+    work after the future completed, taking the GIL: during interpreter exit that aborts
+    the process (docs/reliability.md, "Process exit").
+
+    Returns:
+        The future of the averaged bucket, and ``(tensor, use count before)`` of the tensor
+        the all-reduce was given (the caller keeps it until it waited).
+
+    .. warning:: Collective: call on every rank of ``process_group``.
+    """
     group = dist.group.WORLD if process_group is None else process_group
-    tensor = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+    buffer = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+    tensor = buffer.detach()
+    held = list(zip([tensor], _dist.use_counts([tensor])))
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(_first)
+    return work.get_future().then(functools.partial(_reduced, buffer)), held
 
 
-def _first(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-    return fut.value()[0]
+def _reduced(buffer: torch.Tensor, fut: torch.futures.Future[Any]) -> torch.Tensor:
+    """The hook's result: the bucket's own tensor (DDP makes its views of it)."""
+    fut.value()  # raises the collective's error, if any
+    return buffer
 
 
 def grad_views(bucket: dist.GradBucket, value: Any) -> list[torch.Tensor]:

@@ -17,12 +17,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from oss_plus import _dist
 from oss_plus.optimizer import OSS
-from oss_plus.overlap.ddp import CommHook, check_pairing, ddp_reduce_hook, grad_views
+from oss_plus.overlap.ddp import (
+    CommHook,
+    check_pairing,
+    ddp_reduce_hook,
+    grad_views,
+    reduce_bucket,
+)
 from oss_plus.overlap.layout import Entry, OverlapSync
 from oss_plus.overlap.plan import owner_pieces
 from oss_plus.plan import ShardPlan
 from oss_plus.state import copy_hyper
+from oss_plus.sync import Pending
 
 __all__ = ["PARAMS_CHANGED", "DDPOverlap", "Gate", "Planner", "overlap_hook", "overlap_with_ddp"]
 
@@ -32,6 +40,8 @@ logger = logging.getLogger(__name__)
 Gate = Callable[[DistributedDataParallel, dist.GradBucket], bool]
 #: Plans one DDP bucket: ``(bucket index, params) -> [(owner, positions)]``.
 Planner = Callable[[int, Sequence[torch.Tensor]], list[tuple[int, list[int]]]]
+#: A tensor given to a collective, with its use count from before (for ``await_release``).
+Held = tuple[torch.Tensor, int]
 
 #: Raised at the first bucket of an iteration when params or their trainability changed.
 PARAMS_CHANGED = (
@@ -83,7 +93,9 @@ class DDPOverlap:
         self._lag = 0 if dist.get_backend(optimizer.group) == dist.Backend.NCCL else 1
         self._pending: list[tuple[dist.GradBucket, Entry, torch.futures.Future[Any]]] = []
         self._stepped: list[tuple[Entry, torch.futures.Future[Any]]] = []
-        self._works: list[Callable[[], None]] = []
+        self._works: list[Pending] = []
+        self._held: list[Held] = []
+        self._warmup: list[tuple[torch.futures.Future[Any], list[Held]]] = []
         self._sent: list[Entry] = []
         self._issued = 0
         self._wire: torch.dtype | None = None
@@ -103,12 +115,14 @@ class DDPOverlap:
         """
         ddp = self._ddp()
         assert ddp is not None, "the DDP model of this hook was deleted"
-        fut = self.inner_hook(ddp.process_group if state is None else state, bucket)
+        fut, held = self._reduce(ddp.process_group if state is None else state, bucket)
         if self._gate is not None and not self._gate(ddp, bucket):
+            self._warm_up(bucket, fut, held)
             return fut
         index = bucket.index()
         if index == 0:
             self._begin()
+        self._held += held
         entry = self._layout().entry(
             index, bucket.parameters(), lambda ps: self._planner(index, ps)
         )
@@ -118,6 +132,34 @@ class DDPOverlap:
         if bucket.is_last():
             self._step_all()
         return fut
+
+    def _reduce(
+        self, group: Any, bucket: dist.GradBucket
+    ) -> tuple[torch.futures.Future[Any], list[Held]]:
+        """Start the bucket's reduction; with :func:`ddp_reduce_hook`, also return what its
+        all-reduce holds (another hook's collectives are its own: not waited for)."""
+        if self.inner_hook is ddp_reduce_hook:
+            return reduce_bucket(group, bucket)
+        return self.inner_hook(group, bucket), []
+
+    def _warm_up(
+        self, bucket: dist.GradBucket, fut: torch.futures.Future[Any], held: list[Held]
+    ) -> None:
+        """An iteration the gate keeps from stepping only reduces: at its last bucket, wait
+        for the reductions and for gloo's release of their tensors."""
+        if held:
+            self._warmup.append((fut, held))
+        if not bucket.is_last():
+            return
+        warmup, self._warmup = self._warmup, []
+        for reduced, _ in warmup:
+            reduced.wait()
+        self._release([h for _, hs in warmup for h in hs])
+
+    def _release(self, held: list[Held]) -> None:
+        """Return once gloo's worker dropped every tensor of ``held`` (whose works are
+        done and no longer referenced here): see :func:`oss_plus._dist.await_release`."""
+        _dist.await_release([t for t, _ in held], [c for _, c in held], self.optimizer.group)
 
     def _by_owner(self, index: int, params: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
         """The core's plan: each owner steps its own params of the bucket."""
@@ -149,19 +191,19 @@ class DDPOverlap:
 
     def _reset(self) -> None:
         self._pending, self._stepped, self._works, self._sent = [], [], [], []
-        self._issued, self._error = 0, None
+        self._issued, self._error, self._held = 0, None, []
 
     def _end(self) -> None:
         """After the last bucket: wait for the broadcasts, raise on every rank if any rank's
         step raised (:meth:`oss_plus.sync.BucketSync.settle`), hyperparams out."""
         opt = self.optimizer
-        error, sent = self._error, self._sent
+        error, sent, held = self._error, self._sent, self._held
         try:
             with torch.profiler.record_function("oss_plus::overlap.wait"):
-                for finish in self._works:
-                    finish()
+                _wait_all(self._works)
         finally:
             self._reset()
+        self._release(held)
         self._layout().settle(error, sent)
         copy_hyper(opt.optim.param_groups, opt.param_groups)
 
@@ -176,7 +218,9 @@ class DDPOverlap:
 
     def _broadcast(self, entry: Entry) -> None:
         failed = self._error is not None
-        self._works += self._layout().broadcast(entry, self._wire, failed)
+        started = self._layout().broadcast(entry, self._wire, failed)
+        self._works += started
+        self._held += [h for p in started for h in p.held]
         self._sent.append(entry)
 
     def _interleave(
@@ -231,6 +275,12 @@ class DDPOverlap:
                     group["params"] = params
                 for p, grad in zip(entry.owned, previous):
                     p.grad = grad
+
+
+def _wait_all(works: Sequence[Pending]) -> None:
+    """Wait for every work (in a frame of its own, so no loop variable keeps a handle)."""
+    for finish in works:
+        finish()
 
 
 def _step_done(

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from oss_plus._layout import Bucket, lay_out
 from oss_plus.main_copy import carry_main_values, main_values
-from oss_plus.sync import BucketSync
+from oss_plus.sync import BucketSync, Pending
 
 __all__ = ["Entry", "OverlapSync", "PieceLayout", "make_entry"]
 
@@ -177,7 +177,7 @@ class OverlapSync:
 
     def broadcast(
         self, entry: Entry, wire: torch.dtype | None, failed: bool = False
-    ) -> list[Callable[[], None]]:
+    ) -> list[Pending]:
         """Start one async broadcast per piece of ``entry`` from its owner.
 
         Args:
@@ -186,12 +186,12 @@ class OverlapSync:
             failed: this rank's step raised (its pieces carry the status).
 
         Returns:
-            Callables that wait for each broadcast (and widen a compressed copy).
+            Callables that wait for each broadcast (and widen a compressed copy), with the
+            tensors each holds (for :func:`oss_plus._dist.await_release`).
 
         .. warning:: Collective: call on every rank of ``group``, bucket by bucket in order.
         """
-        started: list[Callable[[], None]] = list(self.transport.start(entry.pieces, wire, failed))
-        return started
+        return self.transport.start(entry.pieces, wire, failed)
 
     def settle(self, error: BaseException | None, entries: Sequence[Entry]) -> None:
         """After the broadcasts of ``entries`` completed: raise on every rank if any failed.
