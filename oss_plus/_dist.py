@@ -15,6 +15,8 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from oss_plus._exit import drain_at_exit
+
 logger = logging.getLogger(__name__)
 
 #: Message when no process group exists.
@@ -34,7 +36,9 @@ def resolve_group(group: Any) -> Any:
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(NOT_INITIALIZED)
-    return dist.group.WORLD if group is None else group
+    group = dist.group.WORLD if group is None else group
+    drain_at_exit()  # gloo's workers may still need the GIL at exit (oss_plus._exit)
+    return group
 
 
 def global_rank(group: Any, rank: int) -> int:

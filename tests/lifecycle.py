@@ -4,6 +4,7 @@
     python tests/lifecycle.py --runs 20 --skip sdp,async # bisect: leave components out
     python tests/lifecycle.py --runs 20 --spawn          # fairscale's mp.spawn + file store
     python tests/lifecycle.py --runs 20 --sdp-backward   # SDP only, exit right after backward
+    python tests/lifecycle.py --runs 20 --torch-last     # end with torch's own all_gathers
 
 Each run starts ``--world`` fresh interpreters (no launcher in between, so an exit status is
 the rank's own). Every rank: ``init_process_group`` (gloo, TCP store), an ``OSS`` under
@@ -16,7 +17,10 @@ called without an active exception", a timeout). ``--skip`` drops components, to
 ``--cores DIR`` keeps the core dump of a rank that crashed (open it with gdb);
 ``--sdp-backward`` runs the ZeRO-2-only script instead: ``ShardedDataParallel`` + ``OSS``,
 a few steps, then one more forward and ``backward()`` with no step, and exit (the reducer's
-collectives are the last ones). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch
+collectives are the last ones); ``--torch-last`` steps an ``OSS`` and ends with plain
+``dist.all_gather`` calls of temporaries and no ``destroy_process_group()``, as fairscale's
+test suites end (torch's collectives last: only the exit handler of ``oss_plus._exit``
+covers them). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch
 interval, so a non-Python thread that needs the GIL waits that long (it widens the window of
 a GIL race at exit).
 tests/test_lifecycle.py runs it; docs/reliability.md has the counts measured with it.
@@ -36,6 +40,9 @@ import time
 COMPONENTS = ("sdp", "overlap", "ckpt", "async", "wait")
 #: ``--skip`` value that selects the ZeRO-2-only script ending in a backward.
 SDP_BACKWARD = "sdp_backward"
+#: ``--skip`` value that selects the script ending in torch's own collectives (no oss_plus
+#: collective last): the pattern of fairscale's test suites.
+TORCH_LAST = "torch_last"
 ABORT = "terminate called without an active exception"
 
 
@@ -79,6 +86,15 @@ def rank_main(
         sdp(data(3)).pow(2).mean().backward()
         dist.destroy_process_group()
         return
+    if TORCH_LAST in skip:  # oss_plus used, then torch's plain collectives last
+        for step in range(2):
+            opt.zero_grad()
+            net(data(step)).pow(2).mean().backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        for _ in range(3):  # as fairscale's check_same_models_across_ranks: temporaries
+            dist.all_gather([torch.empty_like(flat) for _ in range(world)], flat * 1)
+        return  # no destroy_process_group(), as the test functions of fairscale's suites
     if "sdp" not in skip:
         net = ShardedDataParallel(net, opt)
         for step in range(3):
@@ -200,11 +216,13 @@ def main() -> None:
     p.add_argument("--cores", default=None, help="keep core dumps of failed ranks here")
     p.add_argument("--spawn", action="store_true", help="fairscale's mp.spawn + file store")
     p.add_argument("--sdp-backward", action="store_true", help="SDP only, exit after backward")
+    p.add_argument("--torch-last", action="store_true", help="end with torch's all_gathers")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     skip = {s for s in args.skip.split(",") if s} | ({SDP_BACKWARD} if args.sdp_backward else set())
+    skip |= {TORCH_LAST} if args.torch_last else set()
     if args.rank is not None:
         rank_main(args.rank, args.world, args.port, args.dir, skip)
         return
