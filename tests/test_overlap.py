@@ -246,12 +246,12 @@ def test_ddp_reduce_hook_is_ddps_own_averaging_bit_for_bit(pool):
     assert pool.run(default_hook_task, world_size=3) == [True] * 3
 
 
-def wire_reference(ctx, model, owner_of, wire):
+def wire_reference(ctx, model, wire):
     """What a wire dtype means, computed without oss_plus: plain DDP (its own averaging) and
     the unsharded Adam over exact master copies of every param (the same two groups), then
-    each rank keeps the master values of the params it owns and the master values rounded
-    to ``wire`` of the others (what it received). Returns the DDP model, its step and the
-    masters."""
+    every rank holds the master values rounded to ``wire``, its own params included (what
+    travels: every replica is the same since issue 27; the owners keep the exact values as
+    main copies). Returns the DDP model, its step and the masters."""
     cls, kwargs = OVERLAP_OPTIMIZERS["adam"]
     ddp = ddp_of(ctx, model)
     params = list(ddp.module.parameters())
@@ -263,8 +263,8 @@ def wire_reference(ctx, model, owner_of, wire):
         for m, p in zip(master, params):
             m.grad = p.grad
         opt.step()
-        for i, (m, p) in enumerate(zip(master, params)):
-            p.copy_(m if owner_of[i] == ctx.rank else m.to(wire).to(p.dtype))
+        for m, p in zip(master, params):
+            p.copy_(m.to(wire).to(p.dtype))
 
     return ddp, step, master
 
@@ -276,9 +276,7 @@ def wire_task(ctx, interleaved):
     ddp, opt = build(
         ctx, copy.deepcopy(model), "adam", overlap=interleaved, broadcast_dtype=torch.bfloat16
     )
-    owner = opt.param_to_rank
-    owner_of = [owner[p] for p in ddp.module.parameters()]
-    ref_ddp, ref_step, master = wire_reference(ctx, copy.deepcopy(model), owner_of, torch.bfloat16)
+    ref_ddp, ref_step, master = wire_reference(ctx, copy.deepcopy(model), torch.bfloat16)
     same, rounded = [], []
     for it in range(4):
         for d in (ref_ddp, ddp):
@@ -287,16 +285,16 @@ def wire_task(ctx, interleaved):
             overlap_loss(d, it, ctx.rank).backward()
         ref_step()
         same.append(params_equal(ddp, ref_ddp))
-        pairs = zip(owner_of, ref_ddp.parameters(), master)
-        rounded.append(any(o != ctx.rank and not torch.equal(p, m) for o, p, m in pairs))
+        pairs = zip(ref_ddp.parameters(), master)
+        rounded.append(any(not torch.equal(p, m) for p, m in pairs))
     return same, rounded
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_wire_dtype_equals_the_unsharded_step_rounded_on_the_wire(pool, interleaved):
     """Independent of the plain ``OSS.step()`` (which the no-op mutants of tests/noop break
-    too): every rank holds the unsharded optimizer's values of the params it owns and those
-    values rounded to bf16 of the others, after every iteration."""
+    too): every rank holds the unsharded optimizer's values rounded to bf16, after every
+    iteration."""
     for same, rounded in pool.run(wire_task, interleaved, world_size=2, timeout=30):
         assert same == [True] * 4
         assert all(rounded)  # the rounding is visible: bf16 differs from the masters

@@ -199,6 +199,7 @@ def plain_scaler_task(ctx, sharded):
     error = None
     try:
         scaler.step(opt)
+        opt.settle()  # a step's error is raised at the next check (issue 27)
     except RuntimeError as exc:
         error = str(exc)
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

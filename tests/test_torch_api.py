@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus import _arrival, clip
+from oss_plus import _arrival, _norms
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "portability.md"
 #: Each private API -> the module of oss_plus that uses it.
@@ -27,8 +27,8 @@ PRIVATE = {
     "torch._C._nn.unflatten_dense_tensors": "oss_plus/data_parallel/buckets.py",
     "Variable._execution_engine.queue_callback": "oss_plus/data_parallel/reducer.py",
     "distributed_c10d._get_default_store": "oss_plus/_arrival.py",
-    "torch._foreach_norm": "oss_plus/clip.py",
-    "torch._foreach_mul_": "oss_plus/clip.py",
+    "torch._foreach_norm": "oss_plus/_norms.py",
+    "torch._foreach_mul_": "oss_plus/_norms.py",
     "torch._foreach_copy_": "oss_plus/data_parallel/reducer.py",
     "torch._amp_foreach_non_finite_check_and_unscale_": "oss_plus/amp.py",
     "Optimizer._optimizer_state_dict_pre_hooks": "oss_plus/state_dict.py",
@@ -104,12 +104,12 @@ def test_clip_falls_back_to_a_loop_off_the_foreach_devices(monkeypatch):
     """On a device without foreach kernels clip loops over tensors: same norms and scaling."""
     grads = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     fast = [g.clone() for g in grads]
-    fast_norms = clip._tensor_norms(fast, 2.0)
-    fast_coef = clip.scale_grads_(fast, 1.0, torch.stack(fast_norms).norm())
-    monkeypatch.setattr(clip, "_FOREACH_DEVICES", ())
+    fast_norms = _norms.tensor_norms(fast, 2.0)
+    fast_coef = _norms.scale_grads_(fast, 1.0, torch.stack(fast_norms).norm())
+    monkeypatch.setattr(_norms, "_FOREACH_DEVICES", ())
     slow = [g.clone() for g in grads]
-    slow_norms = clip._tensor_norms(slow, 2.0)
-    slow_coef = clip.scale_grads_(slow, 1.0, torch.stack(slow_norms).norm())
+    slow_norms = _norms.tensor_norms(slow, 2.0)
+    slow_coef = _norms.scale_grads_(slow, 1.0, torch.stack(slow_norms).norm())
     assert torch.allclose(torch.stack(fast_norms), torch.stack(slow_norms), rtol=1e-6, atol=0)
     assert fast_coef < 1 and torch.allclose(fast_coef, slow_coef, rtol=1e-6, atol=0)
     assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(fast, slow))
