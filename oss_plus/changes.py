@@ -2,7 +2,7 @@
 
 :class:`ChangeDetector` caches the flat params and their ``requires_grad`` when a layout is
 installed; :meth:`ChangeDetector.trainability_changed` compares them again, and
-:func:`same_addresses` tells whether tensors still have the addresses they had (the
+:class:`Addresses` tells whether tensors still have the addresses they had (the
 re-allocation check of :meth:`oss_plus.sync.BucketSync.is_intact`).
 
 Cost (issue 27: at most 0.1 us per param and step): no Python frame per param, and no more
@@ -13,7 +13,9 @@ than one C call per param and step:
 * a param re-allocated (``.data`` replaced, ``module.to()``) would no longer be updated by the
   sync: every bucketed param's address is read at every step (``list(map(Tensor.data_ptr))``
   against the cached list; torch's C loop ``torch._C._tensors_data_ptrs_at_indices_equal``
-  where the build has it: CUDA builds);
+  where the build has it, CUDA builds, over lists built once per layout: copying them per
+  check cost more than the loop saves. Measured at 2000 params: 66 ns per param for the
+  ``map`` on torch 2.14.1, 70 ns for the C loop (89 ns with the copies); 69 and 37 ns on 2.6);
 * a param trainable in the plan that was frozen is still sent by its owner and, without a
   gradient, not stepped (what the plain optimizer does): it only makes the plan uneven. So
   those are read :data:`WINDOWS` times more slowly, a slice of them per check, in the same
@@ -31,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["WINDOWS", "ChangeDetector", "addresses", "same_addresses"]
+__all__ = ["WINDOWS", "Addresses", "ChangeDetector"]
 
 #: The params trainable in the plan are read in this many slices, one per check.
 WINDOWS = 16
@@ -48,23 +50,32 @@ _ptrs_equal: Callable[..., bool] | None = getattr(
 )
 
 
-def addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The data addresses of ``tensors`` (for :func:`same_addresses`)."""
-    return list(map(_DATA_PTR, tensors))
-
-
-def same_addresses(tensors: Sequence[torch.Tensor], expected: Sequence[int]) -> bool:
-    """Whether every tensor still starts at the address in ``expected`` (exact: a tensor
-    whose ``.data`` was replaced has another address, its old storage alive or not).
+class Addresses:
+    """The data addresses ``tensors`` had when this was made, and the check that they kept
+    them (exact: a tensor whose ``.data`` was replaced has another address, its old storage
+    alive or not).
 
     Example:
         >>> t = torch.zeros(2)
-        >>> same_addresses([t], addresses([t])), same_addresses([t], [0])
-        (True, False)
+        >>> kept = Addresses([t])
+        >>> kept.intact(), Addresses([]).intact()
+        (True, True)
+        >>> t.data = torch.ones(2)
+        >>> kept.intact()
+        False
     """
-    if _ptrs_equal is not None:
-        return bool(_ptrs_equal(list(tensors), list(expected), list(range(len(tensors)))))
-    return list(map(_DATA_PTR, tensors)) == expected
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.expected = list(map(_DATA_PTR, self.tensors))
+        self._at = list(range(len(self.tensors)))  # the C loop's indices, built once
+
+    def intact(self) -> bool:
+        """Whether every tensor still starts at the address it had (one C call, or one
+        ``map`` at C speed; no Python frame per tensor)."""
+        if _ptrs_equal is not None:
+            return bool(_ptrs_equal(self.tensors, self.expected, self._at))
+        return list(map(_DATA_PTR, self.tensors)) == self.expected
 
 
 class ChangeDetector:

@@ -51,7 +51,7 @@ from oss_plus._layout import (
     owner_buckets,
     per_param,
 )
-from oss_plus.changes import addresses, same_addresses
+from oss_plus.changes import Addresses
 from oss_plus.inflight import InFlight, Pending
 from oss_plus.main_copy import MainCopy
 from oss_plus.partition import Rule
@@ -130,8 +130,7 @@ class BucketSync:
         self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
         #: where this rank finds its peers' status codes after a sync
         self.status = PeerSlots(self.buckets, self.gathers, group)
-        self._params = [p for b in self.buckets for p in b.params]
-        self._ptrs = addresses(self._params)
+        self._addresses = Addresses([p for b in self.buckets for p in b.params])
         #: by ``id``: the buckets and gathers holding a main copy (:mod:`oss_plus.main_copy`;
         #: the copies live on them, so another sync over the same buckets finds them)
         holders: list[Bucket | Gather] = [*self.buckets, *self.gathers]
@@ -143,9 +142,9 @@ class BucketSync:
         """Return False when a param stopped being a view of its bucket (``.data`` replaced,
         ``module.to(...)``): the layout must then be rebuilt.
 
-        One address read per bucketed param, at C speed (:func:`oss_plus.changes.same_addresses`).
+        One address read per bucketed param, at C speed (:class:`oss_plus.changes.Addresses`).
         """
-        return same_addresses(self._params, self._ptrs)
+        return self._addresses.intact()
 
     def transports(self) -> dict[str, int]:
         """Return how many buckets use each transport, e.g. ``{"broadcast": 2}``."""
@@ -175,7 +174,7 @@ class BucketSync:
             )
             starts = [start for start, _, _ in spans]
             self._holding = {}
-            for p in self._params:
+            for p in self._addresses.tensors:
                 low, high = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
                 at = max(0, bisect.bisect_right(starts, low) - 1)
                 found = []
@@ -201,8 +200,8 @@ class BucketSync:
             if bucket.views:
                 for p in bucket.params:
                     p.data = p.data.clone()
-        self.buckets, self.gathers, self._broadcast, self._ptrs = [], [], [], []
-        self._params, self.status, self._mains = [], PeerSlots([], [], self.group), {}
+        self.buckets, self.gathers, self._broadcast = [], [], []
+        self._addresses, self.status, self._mains = Addresses([]), PeerSlots([], [], self.group), {}
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
