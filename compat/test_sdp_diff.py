@@ -4,11 +4,15 @@ The same model, data and calls go through ``fairscale.nn.data_parallel.ShardedDa
 over ``fairscale.optim.OSS`` and through ``oss_plus.ShardedDataParallel`` over
 ``oss_plus.compat.fairscale.OSS`` (same partition), on the same ranks.
 
-* fairscale with ``reduce_buffer_size=0`` (its only setting that matches DDP, FINDINGS.md):
-  oss_plus with one param per bucket is bit-identical on every world size (the same tensors
-  reduced in the same order; with freezing on 3-4 ranks within 1e-5, cause not isolated);
-  with buckets, bit-identical on 1-2 ranks and within 1e-5 on
-  3-4 (gloo's sum order follows the buffer layout).
+* fairscale with ``reduce_buffer_size=0`` (its only setting that matches DDP, FINDINGS.md)
+  against oss_plus with ``find_unused_parameters=False`` (fairscale's behaviour: no used
+  flags, an unused param gets the zero sum): with one param per bucket bit-identical on
+  every world size (the same tensors reduced in the same order; with freezing on 3-4 ranks
+  within 1e-5, cause not isolated); with buckets, bit-identical on 1-2 ranks and within
+  1e-5 on 3-4 (gloo's sum order follows the buffer layout).
+* oss_plus's default (``find_unused_parameters=True``) sends one flag per param after each
+  bucket's gradients, so its buffers are longer than fairscale's: bit-identical on 1-2
+  ranks, within 1e-5 on 3-4 (the layout again).
 * on a subgroup without global rank 0 (ranks [2, 3]) fairscale drops every gradient
   (it compares the group-local owner with the global rank), so nothing trains; oss_plus
   matches DDP + OSS there (tests/test_sdp.py).
@@ -54,14 +58,22 @@ def _train(ctx, net, opt, steps, accumulate, freeze_at):
         opt.step()
 
 
-def diff_task(ctx, ours_bucket, theirs_bucket, accumulate=0, freeze_at=None, steps=4):
+def diff_task(
+    ctx, ours_bucket, theirs_bucket, accumulate=0, freeze_at=None, steps=4, find_unused=False
+):
     model = make_diff_model()
     theirs_model, ours_model = copy.deepcopy(model), copy.deepcopy(model)
     kwargs = {"optim": torch.optim.Adam, "group": ctx.group, "lr": 0.01}
     theirs_opt = FairscaleOSS(theirs_model.parameters(), **kwargs)
     theirs = FairscaleSDP(theirs_model, theirs_opt, ctx.group, reduce_buffer_size=theirs_bucket)
     ours_opt = OSS(ours_model.parameters(), **kwargs)
-    ours = ShardedDataParallel(ours_model, ours_opt, ctx.group, reduce_buffer_size=ours_bucket)
+    ours = ShardedDataParallel(
+        ours_model,
+        ours_opt,
+        ctx.group,
+        reduce_buffer_size=ours_bucket,
+        find_unused_parameters=find_unused,
+    )
     _train(ctx, theirs, theirs_opt, steps, accumulate, freeze_at)
     _train(ctx, ours, ours_opt, steps, accumulate, freeze_at)
     a, b = _flat(theirs_model), _flat(ours_model)
@@ -82,6 +94,13 @@ def test_matches_fairscale_with_reduce_buffer_size_0(pool, world, bucket, scenar
     exact = small or (bucket == 0 and "freeze_at" not in scenario)
     for r in results:
         assert r["exact"] if exact else r["diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("world", WORLDS[:4], ids=WORLD_IDS[:4])
+def test_the_default_with_its_flags_matches_fairscale_within_the_sum_order(pool, world):
+    results = pool.run(diff_task, 0, 0, find_unused=True, **world)
+    for r in results:
+        assert r["exact"] if world.get("world_size", 2) <= 2 else r["diff"] < 1e-5, r
 
 
 def drift_task(ctx, bucket):

@@ -8,6 +8,7 @@ bucket vs ours), so gradients are checked against the bound any two summation or
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import WORLD_IDS, WORLDS
 from sdp_utils import BUCKETS, abs_sum, batch, flat, grads_match, max_diff, pair, same_everywhere
 
@@ -356,54 +357,67 @@ def test_buckets_follow_the_order_backward_produced_the_gradients_in(pool):
     # first backward: the plan assumes `second` is reached first, so nothing can be sent
     # before its gradients exist; from the second forward on (order agreed from rank 0,
     # the re-plan's hooks now run after the recording ones) each one-param bucket leaves
-    # right after its own gradient
+    # right after its own gradient, with its one "had a gradient" flag
+    # (find_unused_parameters=True, the default)
     numel = [12, 3, 32, 4]  # first.weight, first.bias, second.weight, second.bias
     for first, second in pool.run(launch_order_task, "reduce", True, 2, world_size=2):
         assert [kind for kind, _ in first][:2] == ["grad", "grad"], first
         assert [kind for kind, _ in second] == ["grad", "send"] * 4, second
-        assert all(numel[i] == n for (_, i), (_, n) in zip(second[::2], second[1::2])), second
+        assert all(numel[i] + 1 == n for (_, i), (_, n) in zip(second[::2], second[1::2])), second
 
 
 def unused_flags_task(ctx, find_unused):
-    """`branch` is used on some ranks and steps, `never` on none: the flags all_reduce runs
-    once per backward only with find_unused_parameters=True (`never` then keeps None on its
-    owner); without it `never` gets the zero sum, as fairscale gives it."""
-    from oss_plus.data_parallel import reducer as reducer_module
-
+    """`branch` is used on some ranks and steps, `never` on none. With
+    find_unused_parameters=True one "had a gradient" flag per param travels in the buckets
+    (no collective of its own; `never` then keeps None on its owner); without it no flag
+    travels and `never` gets the zero sum, as fairscale gives it. The collectives of each
+    backward are counted on torch.distributed itself."""
     sdp, opt, ddp, ref_opt = pair(
         ctx, 64, net={"branch": True}, ddp={"find_unused_parameters": True},
         find_unused_parameters=find_unused,
     )  # fmt: skip
-    real, calls = reducer_module.dist, []
+    names = ("reduce", "reduce_scatter_tensor", "all_reduce", "broadcast", "all_gather",
+             "all_gather_into_tensor", "all_to_all_single", "send", "isend")  # fmt: skip
+    real = {name: getattr(dist, name) for name in names}
+    calls: list[tuple[str, int]] = []
 
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(real, name)
+    def recording(name):
+        def collective(tensor, *args, **kwargs):
+            calls.append((name, tensor.numel()))
+            return real[name](tensor, *args, **kwargs)
 
-        def all_reduce(self, *args, **kwargs):
-            calls.append("all_reduce")
-            return real.all_reduce(*args, **kwargs)
+        return collective
 
-    reducer_module.dist = Recording()
-    never, exact = [], True
-    try:
-        for step in range(3):
-            use_branch = (step + ctx.rank) % 2 == 0
-            for net, o in ((sdp, opt), (ddp, ref_opt)):
-                o.zero_grad()
-                net(batch(step, ctx.rank), use_branch=use_branch).pow(2).mean().backward()
-            for (name, p), q in zip(sdp.module.named_parameters(), ddp.module.parameters()):
-                if opt.param_to_rank[p] != ctx.rank:
-                    exact &= p.grad is None
-                elif name.startswith("never."):
-                    never.append(None if p.grad is None else float(p.grad.abs().sum()))
-                else:
-                    exact &= q.grad is not None and torch.equal(p.grad, q.grad)
-            opt.step()
-            ref_opt.step()
-    finally:
-        reducer_module.dist = real
-    return {"calls": len(calls), "never": never, "exact": exact,
+    trainable = [p for p in sdp.module.parameters() if p.requires_grad]
+    never, exact, per_backward = [], True, []
+    for step in range(3):
+        use_branch = (step + ctx.rank) % 2 == 0
+        for net, o in ((sdp, opt), (ddp, ref_opt)):
+            o.zero_grad()
+            loss = net(batch(step, ctx.rank), use_branch=use_branch).pow(2).mean()
+            if net is sdp:
+                calls.clear()
+                for name in names:
+                    setattr(dist, name, recording(name))
+                try:
+                    loss.backward()
+                finally:
+                    for name in names:
+                        setattr(dist, name, real[name])
+                per_backward.append(list(calls))
+            else:
+                loss.backward()
+        for (name, p), q in zip(sdp.module.named_parameters(), ddp.module.parameters()):
+            if opt.param_to_rank[p] != ctx.rank:
+                exact &= p.grad is None
+            elif name.startswith("never."):
+                never.append(None if p.grad is None else float(p.grad.abs().sum()))
+            else:
+                exact &= q.grad is not None and torch.equal(p.grad, q.grad)
+        opt.step()
+        ref_opt.step()
+    return {"calls": per_backward, "never": never, "exact": exact,
+            "numel": sum(p.numel() for p in trainable), "count": len(trainable),
             "params": torch.equal(flat(sdp.module), flat(ddp.module))}  # fmt: skip
 
 
@@ -412,7 +426,10 @@ def test_find_unused_parameters_false_sends_no_flags(pool, find_unused):
     results = pool.run(unused_flags_task, find_unused, world_size=2)
     for r in results:
         assert r["exact"] and r["params"]
-        assert r["calls"] == (3 if find_unused else 0)
+        for calls in r["calls"]:  # only the buckets' reduces, each with its members' flags
+            assert {name for name, _ in calls} == {"reduce"}, calls
+            flags = r["count"] if find_unused else 0
+            assert sum(n for _, n in calls) == r["numel"] + flags, calls
     never = [v for r in results for v in r["never"]]
     assert never, "some rank owns a param of `never`"
     assert never == ([None] * len(never) if find_unused else [0.0] * len(never))

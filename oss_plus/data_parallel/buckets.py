@@ -78,6 +78,8 @@ class Buckets:
         group: the process group.
         wire: the wire dtype (None: no compression).
         collective: ``"reduce"`` or ``"reduce_scatter"``.
+        flags: every bucket carries its members' "had a gradient" flags after its
+            gradients (see "Used flags" in the module doc).
 
     .. warning:: Collective: every rank of ``group`` must fill the same buckets.
     """
@@ -89,6 +91,7 @@ class Buckets:
         group: Any,
         wire: torch.dtype | None,
         collective: str,
+        flags: bool = False,
     ) -> None:
         self.plan, self.group = plan, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -107,6 +110,10 @@ class Buckets:
         for g, launch in enumerate(self.groups):
             for b in launch.buckets:
                 self._group_of[b] = g
+        #: Per bucket: the flags after its gradients (0: none), and what travels in all.
+        self.tails = [len(b.members) if flags else 0 for b in buckets]
+        self._sizes = [b.numel + t for b, t in zip(buckets, self.tails)]
+        self._segments = [max(self._sizes[b] for b in g.buckets) for g in self.groups]
         self._templates = {b: self._flat_templates(b) for b in range(len(buckets)) if self.flat[b]}
         #: Persistent buckets: the flat buffer and the views that are their params' grads.
         self.flats: list[torch.Tensor | None] = [None] * len(buckets)
@@ -119,34 +126,41 @@ class Buckets:
 
     @torch.no_grad()
     def _allocate_persistent(self) -> None:
+        starts, ends = self._range_starts()
         ranges: dict[Any, torch.Tensor] = {}
-        for b, bucket in enumerate(self.plan.buckets):
+        for b in range(len(self.plan.buckets)):
             members = self.members[b]
             if not self.owned[b]:
                 continue
             if self.flat[b]:
                 key = (members[0].dtype, members[0].device)
                 if key not in ranges:
-                    size = max(
-                        c.base + c.numel
-                        for c, m in zip(self.plan.buckets, self.members)
-                        if c.base >= 0
-                        and c.owner == self.rank
-                        and m[0].dtype == key[0]
-                        and m[0].device == key[1]
-                    )
-                    ranges[key] = torch.zeros(size, dtype=key[0], device=key[1])
-                flat = ranges[key][bucket.base : bucket.base + bucket.numel]
+                    ranges[key] = torch.zeros(ends[key], dtype=key[0], device=key[1])
+                flat = ranges[key][starts[b] : starts[b] + self._sizes[b]]
                 self.receive[b] = self.member_views(b, flat)
                 if not self._compressed[b]:
                     self.flats[b], self.views[b] = flat, self.receive[b]
                 continue
             if self._compressed[b] or not all(p.is_contiguous() for p in members):
                 continue  # a view could not honour the param's strides: copy instead
-            size = self.groups[self._group_of[b]].segment if self._scatter else bucket.numel
+            size = self._segments[self._group_of[b]] if self._scatter else self._sizes[b]
             flat = torch.zeros(size, dtype=self._dtype[b], device=members[0].device)
             self.flats[b] = flat
             self.views[b] = self.member_views(b, flat)
+
+    def _range_starts(self) -> tuple[dict[int, int], dict[Any, int]]:
+        """Where each owned flat-key bucket starts in its key's range buffer (its offset in
+        the range, moved up by the flags of the buckets before it), and each buffer's size."""
+        starts: dict[int, int] = {}
+        ends: dict[Any, int] = {}
+        shift: dict[Any, int] = {}
+        owned = [b for b in range(len(self.plan.buckets)) if self.owned[b] and self.flat[b]]
+        for b in sorted(owned, key=lambda b: self.plan.buckets[b].base):
+            key = (self.members[b][0].dtype, self.members[b][0].device)
+            starts[b] = self.plan.buckets[b].base + shift.get(key, 0)
+            shift[key] = shift.get(key, 0) + self.tails[b]
+            ends[key] = max(ends.get(key, 0), starts[b] + self._sizes[b])
+        return starts, ends
 
     def member_views(self, b: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` (bucket ``b``'s storage) shaped like its members; a member that
@@ -179,6 +193,10 @@ class Buckets:
         self._inputs: list[torch.Tensor | None] = [None] * len(self.groups)
         self._left = [len(g.buckets) for g in self.groups]
         self.next = 0  # the next group to launch
+        self._preset = [False] * len(self.plan.buckets)  # flags written by set_flags
+        #: Owned buckets with a member this rank had no gradient for: the summed flags.
+        self.flag_sums: dict[int, torch.Tensor] = {}
+        self._needed: set[int] = set()
         self._works: deque[tuple[int, Any, torch.Tensor | None, list[Any]]] = deque()
         #: Owned transient buckets whose sums arrived: (bucket, views shaped like members).
         self.results: list[tuple[int, list[torch.Tensor]]] = []
@@ -194,19 +212,38 @@ class Buckets:
 
     def _segment(self, b: int) -> torch.Tensor:
         """The flat storage of bucket ``b``: its own buffer, or its segment of the input."""
-        numel, device = self.plan.buckets[b].numel, self.members[b][0].device
+        size, device = self._sizes[b], self.members[b][0].device
         if self._gapped[b]:  # the padding between params travels too: zeros, not garbage
-            return torch.zeros(numel, dtype=self._dtype[b], device=device)
+            return torch.zeros(size, dtype=self._dtype[b], device=device)
         if not self._scatter or self.flat[b]:
-            return torch.empty(numel, dtype=self._dtype[b], device=device)
-        start = self.plan.buckets[b].owner * self.groups[self._group_of[b]].segment
-        return self._input(self._group_of[b])[start : start + numel]
+            return torch.empty(size, dtype=self._dtype[b], device=device)
+        start = self.plan.buckets[b].owner * self._segments[self._group_of[b]]
+        return self._input(self._group_of[b])[start : start + size]
+
+    def _storage(self, b: int) -> torch.Tensor:
+        """What bucket ``b`` sends from: its persistent buffer, or its transient one."""
+        flat = self.flats[b]
+        if flat is None:
+            self.staged(b)
+            flat = self._buffers[b]
+        assert flat is not None
+        return flat
+
+    def set_flags(self, b: int, flags: Sequence[int]) -> None:
+        """Write bucket ``b``'s flags (1: this rank had a gradient for the member); a bucket
+        launched without them sends all ones."""
+        numel = self.plan.buckets[b].numel
+        tail = self._storage(b)[numel : numel + self.tails[b]]
+        tail.copy_(torch.tensor(flags, dtype=tail.dtype))
+        self._preset[b] = True
+        if self.owned[b] and not all(flags):
+            self._needed.add(b)
 
     def _input(self, g: int) -> torch.Tensor:
         flat = self._inputs[g]
         if flat is None:
             b = self.groups[g].buckets[0]
-            size = self.world_size * self.groups[g].segment
+            size = self.world_size * self._segments[g]
             flat = torch.empty(size, dtype=self._dtype[b], device=self.members[b][0].device)
             self._inputs[g] = flat
         return flat
@@ -233,6 +270,10 @@ class Buckets:
     @torch.no_grad()
     def _launch(self, g: int) -> None:
         first = self.groups[g].buckets[0]
+        for b in self.groups[g].buckets:
+            if self.tails[b] and not self._preset[b]:
+                numel = self.plan.buckets[b].numel
+                self._storage(b)[numel : numel + self.tails[b]].fill_(1)
         if self._scatter and not self.flat[first]:
             flat, target, out = self._scatter_buffers(g)
         else:
@@ -267,12 +308,12 @@ class Buckets:
     def _scatter_buffers(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The group's input (this rank's persistent bucket copied in), the output, and the
         output again when it is transient (None when it is the persistent bucket)."""
-        flat, segment = self._input(g), self.groups[g].segment
+        flat, segment = self._input(g), self._segments[g]
         mine = self._mine(g)
         own = self.flats[mine] if mine is not None else None
         if own is not None:
-            numel = self.plan.buckets[mine].numel  # type: ignore[index]
-            flat[self.rank * segment : self.rank * segment + numel].copy_(own[:numel])
+            size = self._sizes[mine]  # type: ignore[index]
+            flat[self.rank * segment : self.rank * segment + size].copy_(own[:size])
             return flat, own, None
         out = torch.empty(segment, dtype=flat.dtype, device=flat.device)
         return flat, out, out
@@ -286,12 +327,15 @@ class Buckets:
         del work  # the work object holds the tensors too
         _dist.await_release(given, counts, self.group)
         for b in self.groups[g].buckets:
-            staged = self.open[b]
+            staged, numel = self.open[b], self.plan.buckets[b].numel
+            if b in self._needed:  # the summed flags, where the sum landed
+                sums = out if out is not None else self.flats[b]
+                sums = sums if sums is not None else self._buffers[b]
+                self.flag_sums[b] = sums[numel : numel + self.tails[b]]  # type: ignore[index]
             self.open[b] = self._buffers[b] = None
             if not self.owned[b] or self.flats[b] is not None:
                 continue  # not ours, or persistent: the grads (views) hold the sums already
             if out is not None:  # reduce_scatter: the sum is in the output, not the input
-                numel = self.plan.buckets[b].numel
                 staged = list(_unflatten(out[:numel], self.members[b]))
             assert staged is not None
             receive = self.receive[b]

@@ -12,12 +12,14 @@ that does not own them, dropped at once (ZeRO-2). Buckets are sent in plan order
 soon as it and every bucket before it are full, so every rank issues the same collectives.
 
 Unused params. At the end of backward (an autograd engine callback) a member whose hook
-did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Then (unless
-``find_unused_parameters=False``) one small ``all_reduce`` (MAX) of per-param "had a
-gradient" bytes is launched, built from host-side bookkeeping (no device read). The owner
-reads the result on the host only for params it had no gradient for itself: a param with
-no gradient on any rank keeps ``.grad = None`` on its owner, as DDP leaves
-globally unused params untouched. Every work handle is waited for (and on gloo its release)
+did not fire counts as its ``.grad`` accumulated earlier, or as zeros. Unless
+``find_unused_parameters=False``, every bucket carries one "had a gradient" flag per member
+after its gradients, summed with them by the same collective (no collective of its own):
+ones for a bucket whose hooks all fired, written from host-side bookkeeping for the
+buckets completed at the end of backward (no device read). The owner reads the summed
+flags on the host only for params it had no gradient for itself: a param with no gradient
+on any rank keeps ``.grad = None`` on its owner, as DDP leaves globally unused params
+untouched. Every work handle is waited for (and on gloo its release)
 before the callback returns; nothing outlives the iteration.
 
 Double backward. A gradient that requires grad (``backward(create_graph=True)``, or a
@@ -35,10 +37,8 @@ from enum import Enum
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 
-from oss_plus import _dist
 from oss_plus.data_parallel.buckets import Buckets
 from oss_plus.data_parallel.hooks import copy_pieces, make_hook
 from oss_plus.data_parallel.plan import ReducePlan
@@ -90,8 +90,8 @@ class GradReducer:
         wire: compress floating gradients to this dtype on the wire (None: no compression).
         collective: ``"reduce"`` or ``"reduce_scatter"``.
         record: record the order the first backward produces the gradients in.
-        find_unused: all-reduce the used flags, so a param without a gradient on every rank
-            keeps ``grad=None`` (else it gets the zero sum).
+        find_unused: send the used flags with the buckets, so a param without a gradient on
+            every rank keeps ``grad=None`` (else it gets the zero sum).
         give_piece: receives ``(param index, gradient of this rank's piece or None)`` for a
             param of a flat key cut by a range boundary that this rank holds a piece of
             (its ``.grad`` is dropped on every rank: a holder keeps only its range).
@@ -118,7 +118,7 @@ class GradReducer:
         self.collective = collective
         self.find_unused = find_unused
         self._give_piece = give_piece
-        self.buckets = Buckets(self.params, plan, group, wire, collective)
+        self.buckets = Buckets(self.params, plan, group, wire, collective, find_unused)
         self._places: list[list[tuple[int, int]]] = [[] for _ in self.params]
         for b, bucket in enumerate(plan.buckets):
             for slot, index in enumerate(bucket.members):
@@ -149,14 +149,15 @@ class GradReducer:
             if record
         ]
 
-    def _held_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """(param, view of this rank's range) of every cut param this rank holds a piece of."""
+    def _held_pieces(self) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
+        """(param, its place, view of this rank's range) of every cut param this rank holds
+        a piece of."""
         held = []
         for index in self._split:
             for b, slot in self._places[index]:
                 receive = self.buckets.receive[b]
                 if receive is not None:
-                    held.append((index, receive[slot]))
+                    held.append((index, (b, slot), receive[slot]))
         return held
 
     def _recorder_for(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -171,7 +172,8 @@ class GradReducer:
         self.left[:] = self._counts
         self.fired[:] = bytes(len(self.fired))
         self._unused: dict[int, list[int]] = {}  # bucket -> slots with no local gradient
-        self._deferred: list[tuple[int, torch.Tensor]] = []  # owned, unused: (index, sum)
+        #: Owned transient buckets' members with no local gradient: (index, place, sum).
+        self._deferred: list[tuple[int, tuple[int, int], torch.Tensor]] = []
 
     def on_remove(self, handle: Any) -> None:
         """Remove ``handle`` (a hook registered for this reducer) with the reducer's own."""
@@ -236,7 +238,7 @@ class GradReducer:
             grads, values = [], []
             for slot, (param, value) in enumerate(zip(buckets.members[b], sums)):
                 if slot in unused:
-                    self._deferred.append((members[slot], value))
+                    self._deferred.append((members[slot], (b, slot), value))
                 elif buckets.flat[b]:
                     if len(self._places[members[slot]]) == 1:  # whole: .grad is the view
                         param.grad = value
@@ -277,21 +279,25 @@ class GradReducer:
                 elif param.grad is not views[slot]:
                     views[slot].copy_(param.grad)
                     param.grad = views[slot]
+            if buckets.tails[b]:
+                buckets.set_flags(b, [self.fired[i] for i in self.plan.buckets[b].members])
             self.left[b] = 0
         buckets.mark_all_full()
 
-    def _launch_flags(self) -> tuple[torch.Tensor, Any, list[int]] | None:
-        """All-reduce (MAX) the per-param "had a gradient" bytes; no device value is read."""
-        if not self.params:
+    def _read_flags(self) -> dict[tuple[int, int], bool] | None:
+        """Whether some rank had a gradient, per (bucket, slot) of the owned buckets with a
+        member this rank had none for: their summed flags, in one host read (None when
+        there are none)."""
+        sums = self.buckets.flag_sums
+        if not sums:
             return None
-        used = torch.frombuffer(self.fired, dtype=torch.uint8)
-        device = _dist.comm_device(self.group)
-        used = used.clone() if device.type == "cpu" else used.to(device, non_blocking=True)
-        counts = _dist.use_counts([used])
-        work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return used, work, counts
+        order = sorted(sums)
+        device = sums[order[0]].device
+        values = torch.cat([sums[b].to(device, torch.float32) for b in order]).tolist()
+        places = [(b, slot) for b in order for slot in range(sums[b].numel())]
+        return {place: value > 0 for place, value in zip(places, values)}
 
-    def _settle_unused(self, anywhere: list[int] | None) -> None:
+    def _settle_unused(self, anywhere: dict[tuple[int, int], bool] | None) -> None:
         """Owner, for params it had no gradient for: a gradient iff some rank had one (with
         ``anywhere`` None, unknown: the sum, zeros if no rank had one, as fairscale)."""
         for b, slots in self._unused.items():
@@ -302,23 +308,23 @@ class GradReducer:
                 index = self.plan.buckets[b].members[slot]
                 if index in self._is_split:
                     continue  # handed over below
-                used = anywhere is None or anywhere[index]
+                used = anywhere is None or anywhere[(b, slot)]
                 self.params[index].grad = views[slot] if used else None
-        for index, reduced in self._deferred:
+        for index, place, reduced in self._deferred:
             if index in self._is_split:
                 continue
             param = self.params[index]
-            used = anywhere is None or anywhere[index]
+            used = anywhere is None or anywhere[place]
             param.grad = reduced.to(param.dtype, copy=True) if used else None
 
-    def _hand_pieces(self, anywhere: list[int] | None) -> None:
+    def _hand_pieces(self, anywhere: dict[tuple[int, int], bool] | None) -> None:
         """Each cut param this rank holds a piece of: hand its range's sum to the optimizer
         (None when no rank had a gradient for it)."""
         if not self._held:
             return
         assert self._give_piece is not None, "a cut param needs give_piece"
-        for index, piece in self._held:
-            used = self.fired[index] or anywhere is None or anywhere[index]
+        for index, place, piece in self._held:
+            used = self.fired[index] or anywhere is None or anywhere[place]
             self._give_piece(index, piece if used else None)
 
     def _finish(self) -> None:
@@ -328,18 +334,9 @@ class GradReducer:
             if buckets.next < len(buckets.groups):
                 self._fill_missing()
                 buckets.launch_ready()
-            flags = self._launch_flags() if self.find_unused else None
             buckets.complete_all()
             self._take_results()
-            anywhere = None
-            if flags is not None:
-                used, work, counts = flags
-                work.wait()
-                del work, flags  # the work object holds the flags too
-                _dist.await_release([used], counts, self.group)
-                held = any(not self.fired[i] for i, _ in self._held)
-                if held or any(buckets.owned[b] for b in self._unused):
-                    anywhere = used.tolist()  # the one host read, only then
+            anywhere = self._read_flags()  # the one host read, only when needed
             self._settle_unused(anywhere)
             self._hand_pieces(anywhere)
             self._unused, self._deferred = {}, []
