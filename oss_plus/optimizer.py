@@ -4,7 +4,8 @@ Each rank of ``group`` keeps the optimizer state of the parameters it owns and s
 with an ordinary ``torch.optim`` optimizer (``self.optim``); after the local step every owner
 broadcasts its parameters (:mod:`oss_plus.sync`). Who owns what is a frozen
 :class:`~oss_plus.plan.ShardPlan` (pure code: :mod:`oss_plus.plan`); moving state between
-ranks is :mod:`oss_plus.consolidate`.
+ranks is :mod:`oss_plus.consolidate`; following the params' changes (plan again, lay out
+again) is :mod:`oss_plus.replan`.
 
 Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only the
 *extension contract* (API reference); no other module touches an underscore member of
@@ -13,7 +14,6 @@ Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only t
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,21 +23,19 @@ from torch.optim import SGD, Optimizer
 
 from oss_plus import _dist, _params
 from oss_plus._params import PLANS_DIFFER
-from oss_plus.changes import ChangeDetector
 from oss_plus.clip import ShardedClip
 from oss_plus.inflight import ForwardWaits
 from oss_plus.partition import Rule
 from oss_plus.pieces import PieceGrads
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
+from oss_plus.replan import Replanner
 from oss_plus.shard import LocalShard
 from oss_plus.state import ParamState, copy_hyper
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.stepping import StepDriver
-from oss_plus.sync import BucketSync, build_sync
+from oss_plus.sync import BucketSync
 
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
-
-logger = logging.getLogger(__name__)
 
 
 class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
@@ -126,8 +124,6 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.broadcast_dtype = broadcast_dtype
         self.force_broadcast_object = force_broadcast_object
-        self._pinned = False
-        self._changes = ChangeDetector(self.world_size)
         self._driver = StepDriver(self.group, self.world_size)
         error: Exception | None = None
         try:  # everything a rank may reject, agreed on by every rank below
@@ -136,16 +132,15 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
             )
             super().__init__(_params.normalize_params(params), defaults)
             taken, fixed = _params.split_defaults(optim, defaults)
-            plan = self._make_plan()
+            specs = _params.param_specs(self.param_groups, self._policy.aligned)
+            plan = make_plan(specs, self.world_size, self._policy)
             self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
             error = exc
         _params.check_same_model(None if error else self.param_groups, error, self.group)
         copy_hyper(self.optim.param_groups, self.param_groups)
-        self._sync = self._build_sync()
-        self._shard.targets.point()
-        self._changes.reset(self.flat_params())
+        self._replanner = Replanner(self._shard, self._policy, self.group, self._driver)
         self._initialized = True
 
     @property
@@ -214,23 +209,13 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
 
         .. warning:: Collective: call on every rank of ``group`` with the same plan.
         """
-        self.settle()
-        if plan is None:
-            plan = self._make_plan()
-        error: Exception | None = None
-        try:
-            plan.check_fits([len(g["params"]) for g in self.param_groups], self.world_size)
-        except ValueError as exc:
-            error = exc
-        _params.agree_plan(plan, error, self.group)  # raises on every rank before any move
-        self._pinned = pin or self._pinned
-        self._shard.adopt(plan, self.group)
-        self.install_sync()
+        self._replanner.adopt(plan, pin)  # settles the last step first
+        self.drop_consolidated()
 
     @property
     def sync(self) -> BucketSync:
         """The object that synchronises parameters after the local step."""
-        return self._sync
+        return self._replanner.sync
 
     sync_buckets = sync  #: alias of :attr:`sync`
 
@@ -249,29 +234,8 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
 
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
         """
-        self.settle()
-        if make is None and self._policy.rule is Rule.FLAT and self._initialized:
-            plan = self._make_plan()
-            if plan != self.plan:
-                self.repartition(plan)  # moves the state, then installs the sync
-                return
-        self._sync.release()
-        self._sync = (make or self._build_sync)()
-        self._shard.targets.point()
-        self._changes.reset(self.flat_params())
+        self._replanner.install(make)  # settles the last step first
         self.drop_consolidated()
-
-    def _make_plan(self, keep: bool = False) -> ShardPlan:
-        """Plan by the policy; with ``keep``, params already placed keep their owners (a
-        pinned plan, :meth:`repartition` with ``pin``, is kept while the groups do not
-        change)."""
-        if not self._initialized:
-            specs = _params.param_specs(self.param_groups, self._policy.aligned)
-            return make_plan(specs, self.world_size, self._policy)
-        return self._shard.make_plan(self._policy, keep or self._pinned, self._pinned)
-
-    def _build_sync(self) -> BucketSync:
-        return build_sync(self.flat_params(), self.plan, self._policy, self.group)
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
@@ -304,7 +268,7 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         (:mod:`oss_plus.changes`: a frozen param unfrozen at once, a freeze within a few
         calls; never at world size 1 nor with ``auto_refresh`` False). Call it on every rank
         alike: each call reads the next slice of the trainable params."""
-        return self.auto_refresh and self._changes.trainability_changed()
+        return self.auto_refresh and self._replanner.changes.trainability_changed()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.
@@ -326,16 +290,20 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         .. warning:: Collective: call on every rank of ``group``.
         """
         self.settle()
-        if self.auto_refresh and not self._follow_changes():
-            return None  # this rank's plan changed, not every rank's: see _replan_together
+        replan = self._replanner
+        if self.auto_refresh:  # a changed plan is adopted by every rank together, or none
+            plan = replan.follow()
+            if plan is not None and not replan.together(plan, self.wire_dtype):
+                return None  # this rank's plan changed, not every rank's
         self.drop_consolidated()
         copy_hyper(self.param_groups, self.optim.param_groups)
         if closure is not None:
             kwargs["closure"] = closure
-        if isinstance(self._sync, BucketSync):
-            self._sync.restore(self.wire_dtype)  # exact values of what went compressed
+        sync = replan.sync
+        if isinstance(sync, BucketSync):
+            sync.restore(self.wire_dtype)  # exact values of what went compressed
         loss, error = self._shard.step(kwargs)
-        self._driver.send(self._sync, self.wire_dtype, error)
+        self._driver.send(sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
 
@@ -388,33 +356,6 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         """
         return self._driver.attach(model, self.flat_params())
 
-    def _follow_changes(self) -> bool:
-        """Before the local step: a changed plan (``requires_grad``; the flat rule's cut
-        after a re-allocation) goes through :meth:`_replan_together`; params re-allocated otherwise
-        get a new layout (local: every rank's layout follows from the plan). Returns
-        whether the step goes on."""
-        if self.trainability_changed():
-            return self._replan_together()
-        if not self._sync.is_intact():
-            if self._policy.rule is Rule.FLAT and self._make_plan() != self.plan:
-                return self._replan_together()
-            logger.info("params were re-allocated (e.g. module.to()): rebuilding buckets")
-            self.install_sync()
-        return True
-
-    def _replan_together(self) -> bool:
-        """This rank's plan changed: run the sync unstepped with :data:`REPLAN` and read every
-        rank's code now (the one host read, on this rare path only). When every rank sent it,
-        repartition together (agreeing on the plan) and go on with the step; else every rank
-        raises :data:`~oss_plus.status.TRAINABILITY_DIFFERS` at the next check (the others
-        stepped; this rank did not)."""
-        plan, sync = self._make_plan(), self._sync
-        if isinstance(sync, BucketSync) and not self._driver.replan(sync, self.wire_dtype):
-            return False
-        logger.info("trainable params changed on every rank: repartitioning")
-        self.repartition(plan)
-        return True
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; params already placed keep their owner (and their state).
 
@@ -428,13 +369,8 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
             return
         self.settle()
         super().add_param_group(_params.new_group(param_group, self.flat_params()))
-        if self._policy.rule is Rule.FLAT:  # the ranges move: cut again, move the state
-            self.repartition(self._make_plan())
-            return
-        plan = self._make_plan(keep=True)
-        _params.agree_plan(plan, None, self.group)  # the totals depend on trainability
-        self._shard.add_group(plan)
-        self.install_sync()
+        self._replanner.add_group()
+        self.drop_consolidated()
 
     def refresh_trainable(self) -> None:
         """Repartition over the params trainable now and move state to the new owners.
