@@ -366,7 +366,7 @@ def test_buckets_follow_the_order_backward_produced_the_gradients_in(pool):
         assert all(numel[i] + 1 == n for (_, i), (_, n) in zip(second[::2], second[1::2])), second
 
 
-def unused_flags_task(ctx, find_unused):
+def unused_flags_task(ctx, find_unused, collective="reduce"):
     """`branch` is used on some ranks and steps, `never` on none. With
     find_unused_parameters=True one "had a gradient" flag per param travels in the buckets
     (no collective of its own; `never` then keeps None on its owner); without it no flag
@@ -374,7 +374,7 @@ def unused_flags_task(ctx, find_unused):
     backward are counted on torch.distributed itself."""
     sdp, opt, ddp, ref_opt = pair(
         ctx, 64, net={"branch": True}, ddp={"find_unused_parameters": True},
-        find_unused_parameters=find_unused,
+        find_unused_parameters=find_unused, collective=collective,
     )  # fmt: skip
     names = ("reduce", "reduce_scatter_tensor", "all_reduce", "broadcast", "all_gather",
              "all_gather_into_tensor", "all_to_all_single", "send", "isend")  # fmt: skip
@@ -421,15 +421,19 @@ def unused_flags_task(ctx, find_unused):
             "params": torch.equal(flat(sdp.module), flat(ddp.module))}  # fmt: skip
 
 
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
 @pytest.mark.parametrize("find_unused", [True, False])
-def test_find_unused_parameters_false_sends_no_flags(pool, find_unused):
-    results = pool.run(unused_flags_task, find_unused, world_size=2)
+def test_find_unused_parameters_false_sends_no_flags(pool, find_unused, collective):
+    results = pool.run(unused_flags_task, find_unused, collective, world_size=2)
     for r in results:
         assert r["exact"] and r["params"]
-        for calls in r["calls"]:  # only the buckets' reduces, each with its members' flags
-            assert {name for name, _ in calls} == {"reduce"}, calls
-            flags = r["count"] if find_unused else 0
-            assert sum(n for _, n in calls) == r["numel"] + flags, calls
+        for calls in r["calls"]:  # only the buckets' reductions, with their members' flags
+            if collective == "reduce":
+                assert {name for name, _ in calls} == {"reduce"}, calls
+                flags = r["count"] if find_unused else 0
+                assert sum(n for _, n in calls) == r["numel"] + flags, calls
+            else:  # segments are padded to the group's largest bucket: no exact count
+                assert {name for name, _ in calls} == {"reduce_scatter_tensor"}, calls
     never = [v for r in results for v in r["never"]]
     assert never, "some rank owns a param of `never`"
     assert never == ([None] * len(never) if find_unused else [0.0] * len(never))

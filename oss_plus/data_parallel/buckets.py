@@ -234,7 +234,14 @@ class Buckets:
         launched without them sends all ones."""
         numel = self.plan.buckets[b].numel
         tail = self._storage(b)[numel : numel + self.tails[b]]
-        tail.copy_(torch.tensor(flags, dtype=tail.dtype))
+        tail.fill_(1)  # then one op per run of zeros: no host-to-device copy, no sync
+        start = None
+        for slot, flag in enumerate([*flags, 1]):
+            if not flag and start is None:
+                start = slot
+            elif flag and start is not None:
+                tail[start:slot].zero_()
+                start = None
         self._preset[b] = True
         if self.owned[b] and not all(flags):
             self._needed.add(b)

@@ -75,8 +75,9 @@ class ShardedDataParallel(nn.Module):
             reduce_scatter on NCCL.
         find_unused_parameters: keyword-only, as DDP's (default True): a param that got no
             gradient on any rank keeps ``grad=None`` on its owner, as DDP leaves it. That
-            costs one small ``all_reduce`` of "had a gradient" flags per backward. With
-            False no flags travel and such a param gets a zero gradient on its owner, as
+            costs one "had a gradient" flag per param, sent after its bucket's gradients
+            by the bucket's own collective (no collective of its own). With False no flags
+            travel and such a param gets a zero gradient on its owner, as
             fairscale's ``ShardedDataParallel`` gives it (a param used on some ranks only is
             averaged correctly either way; DDP with False raises in that case). Choose False
             when every param gets a gradient at every backward, or when zeros are fine.
