@@ -277,6 +277,59 @@ def sdp_task(ctx: Any, device: str) -> list[bool]:
     return out
 
 
+def sdp_unused_task(ctx: Any, device: str) -> dict:
+    """ZeRO-2 with params unused on some ranks (``branch``) on ``device``, the used flags
+    travelling in the buckets: gradients against DDP with ``find_unused_parameters=True``
+    + OSS at every iteration, and the host syncs of each backward: one on a rank that owns
+    a param it got no gradient for (it reads the summed flags), none elsewhere (the flags
+    are written on the device)."""
+    from sdp_utils import Net
+    from sdp_utils import batch as sdp_batch
+
+    torch.manual_seed(0)
+    model = Net(branch=True).to(device)
+    model.never.requires_grad_(False)  # else both ranks own a param no rank uses: always 1
+    ref = DDP(copy.deepcopy(model), process_group=ctx.group, find_unused_parameters=True)
+    ref_opt = OSS(ref.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    sdp = ShardedDataParallel(model, opt, process_group=ctx.group)
+    syncs, expected, grads = [], [], []
+    for step in range(4):
+        use = (step + ctx.rank) % 2 == 0
+        x = sdp_batch(step, ctx.rank).to(device)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = sdp(x, use_branch=use).pow(2).mean()
+        syncs.append(count_syncs(loss.backward, torch.device(device)))
+        ref(x, use_branch=use).pow(2).mean().backward()
+        used = [model.fc1, model.fc2, model.head, *([model.branch] if use else [])]
+        local = {id(p) for m in used for p in m.parameters()}
+        owners = opt.param_to_rank
+        missing = [p for p in model.parameters() if p.requires_grad and id(p) not in local]
+        expected.append(int(any(owners[p] == ctx.rank for p in missing)))
+        grads.append(
+            all(
+                (p.grad is None and q.grad is None)
+                or (p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad))
+                if owners[p] == ctx.rank
+                else p.grad is None
+                for p, q in zip(model.parameters(), ref.module.parameters())
+            )
+        )
+        opt.step()
+        ref_opt.step()
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.module.parameters()))
+    return {"syncs": syncs, "expected": expected, "grads": grads, "params": same}
+
+
+def check_sdp_unused(results: list[dict]) -> None:
+    for result in results:
+        assert all(result["grads"]) and result["params"], result
+        assert result["syncs"] == result["expected"], result
+    expected = [e for r in results for e in r["expected"]]
+    assert 0 in expected and 1 in expected, "both cases must occur"
+
+
 def syncs_task(ctx: Any, device: str) -> list[int]:
     """Device-to-host syncs of OSS.step beyond plain SGD's (``set_sync_debug_mode`` on CUDA,
     host reads on the CPU), per step: none at any world size (issue 27)."""
@@ -329,6 +382,7 @@ TASKS = {
     "overlap": overlap_task,
     "amp": amp_task,
     "sdp": sdp_task,
+    "sdp_unused": sdp_unused_task,
     "syncs": syncs_task,
 }
 
@@ -457,6 +511,11 @@ def test_gloo_sharded_data_parallel_on_cuda_equals_ddp(pool):
 
 
 @pytest.mark.gpu
+def test_gloo_sdp_used_flags_sync_only_where_an_owner_lacks_a_gradient(pool):
+    check_sdp_unused(pool.run(strict, "sdp_unused", CUDA, world_size=2, timeout=120))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gloo_step_never_syncs_the_device(pool, world_size):
     for r in pool.run(strict, "syncs", CUDA, world_size=world_size):
@@ -522,6 +581,7 @@ def test_gpu_tasks_hold_on_cpu(pool, tmp_path):
     for r in pool.run(strict, "amp", "cpu", "fp16", world_size=2, timeout=120):
         check_amp(r)
     assert pool.run(strict, "sdp", "cpu", world_size=2, timeout=120) == [[True] * 3] * 2
+    check_sdp_unused(pool.run(strict, "sdp_unused", "cpu", world_size=2, timeout=120))
     for world_size in (1, 2, 3):
         for r in pool.run(strict, "syncs", "cpu", world_size=world_size):
             check_syncs(r, world_size)
