@@ -15,7 +15,9 @@ than one C call per param and step:
   against the cached list; torch's C loop ``torch._C._tensors_data_ptrs_at_indices_equal``
   where the build has it, CUDA builds, over lists built once per layout: copying them per
   check cost more than the loop saves. Measured at 2000 params: 66 ns per param for the
-  ``map`` on torch 2.14.1, 70 ns for the C loop (89 ns with the copies); 69 and 37 ns on 2.6);
+  ``map`` on torch 2.14.1, 70 ns for the C loop (89 ns with the copies); 69 and 37 ns on 2.6;
+  all with the params in cache: right after a backward, 300-450 ns per param on the CPU
+  proxy of ``docs/zero2.md``, the param objects' cache misses);
 * a param trainable in the plan that was frozen is still sent by its owner and, without a
   gradient, not stepped (what the plain optimizer does): it only makes the plan uneven. So
   those are read :data:`WINDOWS` times more slowly, a slice of them per check, in the same

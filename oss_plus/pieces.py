@@ -18,7 +18,7 @@ translate (PURE, no collectives).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,7 +169,9 @@ class PieceTargets:
 
     Only params split by the plan get a piece tensor; a param the rank owns whole is stepped
     as itself. The tensors keep their identity (the inner optimizer's state is keyed by them)
-    while their memory follows the param's (:meth:`point`, after every layout change).
+    while their memory follows the layout's (:meth:`point`, after every layout change): a
+    slice of the param, or where the sync keeps the piece of a param that spans its buckets
+    (:mod:`oss_plus.split_params`).
 
     Args:
         params: every param, by flat index.
@@ -223,10 +225,15 @@ class PieceTargets:
         return [self.tensors.get(i, p) for i, p in enumerate(self.params)]
 
     @torch.no_grad()
-    def point(self) -> None:
-        """Make every piece tensor a view of its param's current memory (after a layout)."""
+    def point(
+        self, locate: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None
+    ) -> None:
+        """Make every piece tensor a view of its piece's memory (after a layout): what
+        ``locate(param, start, end)`` returns (the sync's
+        :meth:`~oss_plus.sync.BucketSync.piece_view`), else a slice of its param."""
         for i, tensor in self.tensors.items():
-            tensor.data = self._slice(i)
+            found = None if locate is None else locate(self.params[i], *self.pieces[i])
+            tensor.data = self._slice(i) if found is None else found
 
     def zero_given(self, set_to_none: bool) -> None:
         """Drop (or zero) the gradients handed over with :meth:`give` (``zero_grad``)."""

@@ -59,7 +59,7 @@ class Replanner:
         self.pinned = False  # repartition(pin=True): later plans keep its owners
         self.changes = ChangeDetector(shard.plan.world_size)
         self.sync: BucketSync = self.build()
-        shard.targets.point()
+        shard.targets.point(getattr(self.sync, "piece_view", None))
         self.changes.reset(shard.flat_params())
 
     def make_plan(self, keep: bool = False) -> ShardPlan:
@@ -105,7 +105,7 @@ class Replanner:
             return
         self.sync.release()
         self.sync = (make or self.build)()
-        self.shard.targets.point()
+        self.shard.targets.point(getattr(self.sync, "piece_view", None))
         self.changes.reset(self.shard.flat_params())
 
     def add_group(self) -> None:

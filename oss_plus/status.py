@@ -5,7 +5,7 @@ Every rank sends a status code with the buckets of every sync: :data:`OK`, :data
 step and asks for a repartition). The code sits in the status slot that ends each of its
 flat buckets (:mod:`oss_plus._layout`), or in the last element of its region of an
 ``all_gather`` buffer. A layout where some rank sends no slot (it owns no trainable param,
-the ``per_param`` layout, the flat rule's back-to-back ranges) sends every rank's code in
+the ``per_param`` layout, a flat-rule key with nothing to send) sends every rank's code in
 one more small ``all_gather``, started with the buckets.
 
 :class:`PeerSlots` is where a rank finds its peers' codes after a sync. The core never reads

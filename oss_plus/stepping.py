@@ -90,6 +90,7 @@ class StepDriver:
 
         .. warning:: Collective: call on every rank of the group, as its step's sync.
         """
+        sync.restore(wire)  # what is sent unstepped: the params' values, as a step would
         sync.launch(wire, REPLAN).wait()
         if all(code == REPLAN for code in sync.status.codes(REPLAN)):
             return True

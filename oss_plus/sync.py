@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from oss_plus.inflight import InFlight, Pending
 from oss_plus.main_copy import MainCopy
 from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
+from oss_plus.split_params import SplitParams
 from oss_plus.status import FAILED, OK, PeerSlots, any_set
 from oss_plus.transport import (
     BAD_TRANSPORT,
@@ -63,6 +64,7 @@ from oss_plus.transport import (
     gathered_keys,
     requested,
     transport_override,
+    wire_dtype_for,
 )
 
 __all__ = [
@@ -82,26 +84,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Floating dtypes that may travel compressed, and the wire dtypes allowed.
-WIRE_DTYPES = (torch.float16, torch.bfloat16)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def wire_dtype_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
-    """Return the dtype a buffer of ``dtype`` travels as, or None when it goes uncompressed.
-
-    Only floating dtypes wider than ``wire`` are compressed: bf16/fp16 params are never
-    upcast, integer params are never touched.
-
-    Example:
-        >>> wire_dtype_for(torch.float32, torch.bfloat16)
-        torch.bfloat16
-        >>> wire_dtype_for(torch.bfloat16, torch.float16) is None
-        True
-    """
-    if wire is None or not dtype.is_floating_point or dtype.itemsize <= wire.itemsize:
-        return None
-    return wire
 
 
 class BucketSync:
@@ -131,6 +114,8 @@ class BucketSync:
         #: where this rank finds its peers' status codes after a sync
         self.status = PeerSlots(self.buckets, self.gathers, group)
         self._addresses = Addresses([p for b in self.buckets for p in b.params])
+        #: the params that span buckets (the flat rule) and their pieces
+        self.splits = SplitParams(self.buckets, self.rank)
         #: by ``id``: the buckets and gathers holding a main copy (:mod:`oss_plus.main_copy`;
         #: the copies live on them, so another sync over the same buckets finds them)
         holders: list[Bucket | Gather] = [*self.buckets, *self.gathers]
@@ -165,24 +150,24 @@ class BucketSync:
         )
 
     def holding(self) -> dict[int, list[Bucket]]:
-        """For ``id(param)`` of every bucketed param, the buckets holding its memory (one,
-        or several for a param the flat rule splits); computed once per layout."""
+        """For ``id(param)`` of every bucketed param, the buckets holding its memory: those it
+        is a view of (several for a view across flat ranges), or those holding its pieces (a
+        param with storage of its own, :mod:`oss_plus.split_params`); once per layout."""
         if self._holding is None:
             spans = sorted(
                 (b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.nbytes, i)
                 for i, b in enumerate(self.buckets)
             )
             starts = [start for start, _, _ in spans]
-            self._holding = {}
+            self._holding = {k: list(v) for k, v in self.splits.holding.items()}
             for p in self._addresses.tensors:
                 low, high = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
                 at = max(0, bisect.bisect_right(starts, low) - 1)
-                found = []
-                while at < len(spans) and spans[at][0] < high:
+                found = self._holding.setdefault(id(p), [])
+                while at < len(spans) and spans[at][0] < high:  # a view across ranges too
                     if spans[at][1] > low:
                         found.append(self.buckets[spans[at][2]])
                     at += 1
-                self._holding[id(p)] = found
         return self._holding
 
     def main_bytes(self) -> int:
@@ -202,14 +187,22 @@ class BucketSync:
                     p.data = p.data.clone()
         self.buckets, self.gathers, self._broadcast = [], [], []
         self._addresses, self.status, self._mains = Addresses([]), PeerSlots([], [], self.group), {}
+        self.splits = SplitParams([], self.rank)
+
+    def piece_view(self, param: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
+        """Where this rank's piece ``[start, end)`` of a param that spans buckets lives (the
+        tensor its inner optimizer steps), or None (see :mod:`oss_plus.split_params`)."""
+        return self.splits.view(param, start, end)
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
     def restore(self, wire: torch.dtype | None, buckets: Sequence[Bucket] | None = None) -> None:
-        """Before the local step: give the regions this rank sent compressed their exact
-        values back (:meth:`oss_plus.main_copy.MainCopy.restore`; of ``buckets`` only when
-        given). A region that will travel uncompressed with ``wire`` drops its copy.
-        Not collective."""
+        """Before the local step: the pieces this rank steps of params that span buckets
+        take the params' values (:meth:`oss_plus.split_params.SplitParams.refresh`); then
+        the regions this rank sent compressed get their exact values back
+        (:meth:`oss_plus.main_copy.MainCopy.restore`; of ``buckets`` only when given). A
+        region that will travel uncompressed with ``wire`` drops its copy. Not collective."""
+        self.splits.refresh()
         if not self._mains:
             return
         keys = None if buckets is None else {id(b) for b in buckets}
@@ -290,23 +283,33 @@ class BucketSync:
                     g, g.flat[self.rank * g.region : (self.rank + 1) * g.region], mine
                 )
             held = list(zip((out, mine), _dist.use_counts((out, mine))))
-            work = _all_gather_single(out, mine, group=self.group, async_op=True)
-            transfer = Pending(functools.partial(self._finish_gather, work, g, out, dtype), held)
-            pending.append(transfer)
             key = (g.flat.device, g.flat.dtype)
-            for b in self.buckets:  # one gather per (device, dtype) brings all its buckets
-                if b.via is Transport.ALL_GATHER and (b.buffer.device, b.buffer.dtype) == key:
-                    covers[id(b)] = transfer
+            brought = [  # one gather per (device, dtype) brings all its buckets
+                b
+                for b in self.buckets
+                if b.via is Transport.ALL_GATHER and (b.buffer.device, b.buffer.dtype) == key
+            ]
+            work = _all_gather_single(out, mine, group=self.group, async_op=True)
+            finish = functools.partial(self._finish_gather, work, g, out, dtype, brought)
+            transfer = Pending(finish, held)
+            pending.append(transfer)
+            covers.update((id(b), transfer) for b in brought)
         return pending, covers
 
     def _finish_gather(
-        self, work: Any, g: Gather, out: torch.Tensor, dtype: torch.dtype | None
+        self,
+        work: Any,
+        g: Gather,
+        out: torch.Tensor,
+        dtype: torch.dtype | None,
+        brought: Sequence[Bucket],
     ) -> None:
         work.wait()
         if dtype is not None:  # widen every region but this rank's own (rounded at the send)
             start, end = self.rank * g.region, (self.rank + 1) * g.region
             g.flat[:start].copy_(out[:start])
             g.flat[end:].copy_(out[end:])
+        self.splits.fill(brought)
 
     def start(
         self, buckets: Sequence[Bucket], wire: torch.dtype | None, failed: int = OK
@@ -340,16 +343,25 @@ class BucketSync:
         src = _dist.global_rank(self.group, bucket.owner)
         held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        fill = functools.partial(self.splits.fill, (bucket,)) if bucket.pieces else None
         finish = functools.partial(
-            _finish_broadcast, work, flat, tensor, dtype is not None and not mine
+            _finish_broadcast, work, flat, tensor, dtype is not None and not mine, fill
         )
         return Pending(finish, held)
 
 
-def _finish_broadcast(work: Any, flat: torch.Tensor, tensor: torch.Tensor, widen: bool) -> None:
+def _finish_broadcast(
+    work: Any,
+    flat: torch.Tensor,
+    tensor: torch.Tensor,
+    widen: bool,
+    fill: Callable[[], None] | None,
+) -> None:
     work.wait()
     if widen:
         flat.copy_(tensor)
+    if fill is not None:
+        fill()  # the pieces it holds of params that span buckets
 
 
 def build_sync(

@@ -7,7 +7,8 @@ rank), and the environment override of the automatic choice.
   buckets on NCCL (one collective per dtype instead of one per rank). Slow on gloo.
 
 ``transport="auto"`` picks the defaults above; the environment variable :data:`TRANSPORT_ENV`
-overrides ``auto`` (set it identically on every rank).
+overrides ``auto`` (set it identically on every rank). :func:`wire_dtype_for` says which
+buffers a compressed wire narrows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "gathered_keys",
     "requested",
     "transport_override",
+    "wire_dtype_for",
 ]
 
 #: Environment variable overriding ``transport="auto"``: broadcast or all_gather.
@@ -105,3 +107,20 @@ def transport_override(name: str | None) -> Iterator[None]:
             os.environ.pop(TRANSPORT_ENV, None)
         else:
             os.environ[TRANSPORT_ENV] = saved
+
+
+def wire_dtype_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
+    """Return the dtype a buffer of ``dtype`` travels as, or None when it goes uncompressed.
+
+    Only floating dtypes wider than ``wire`` are compressed: bf16/fp16 params are never
+    upcast, integer params are never touched.
+
+    Example:
+        >>> wire_dtype_for(torch.float32, torch.bfloat16)
+        torch.bfloat16
+        >>> wire_dtype_for(torch.bfloat16, torch.float16) is None
+        True
+    """
+    if wire is None or not dtype.is_floating_point or dtype.itemsize <= wire.itemsize:
+        return None
+    return wire

@@ -130,6 +130,17 @@ def make_model(seed: int = 0, width: int = 6, depth: int = 3) -> torch.nn.Module
     return torch.nn.Sequential(*layers)
 
 
+def make_cut_model(seed: int = 0) -> torch.nn.Module:
+    """29 x (Linear(6, 6) + Tanh): under the flat rule on 2-4 ranks some param is cut by a
+    range boundary, and the params cut hold at most ``SLOTTED_SHARE`` of the elements, so
+    broadcast ranges carry their status slots (:func:`oss_plus._layout.flat_buckets`)."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(29):
+        layers += [torch.nn.Linear(6, 6), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
 def make_diff_model(seed: int = 0, width: int = 8) -> torch.nn.Module:
     """The differential suites' MLP (matmuls, so the memory layout of params matters for
     rounding)."""

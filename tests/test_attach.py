@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from helpers import catch, clone_model, flat_params, make_model, transport
+from helpers import catch, clone_model, flat_params, make_cut_model, make_model, transport
 from test_step_failure import FailingSGD
 
 import oss_plus.inflight
@@ -51,7 +51,8 @@ def parity_task(ctx, via, wire, rule, optim_name):
         "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
         "adam": (torch.optim.Adam, {"lr": 0.01}),
     }[optim_name]
-    model = make_model(depth=4)
+    model = make_cut_model() if rule == "flat_cut" else make_model(depth=4)
+    rule = "flat" if rule == "flat_cut" else rule
     blocking, plain = clone_model(model), clone_model(model)
     with transport(via):
         opt = OSS(model.parameters(), optim=optim, group=ctx.group, partition_rule=rule,
@@ -88,6 +89,8 @@ def parity_task(ctx, via, wire, rule, optim_name):
         (4, "all_gather", None, "fairscale"),
         (3, "broadcast", None, "flat"),
         (2, "broadcast", torch.float16, "flat"),
+        (3, "broadcast", None, "flat_cut"),
+        (2, "broadcast", torch.float16, "flat_cut"),
         (1, "broadcast", None, "fairscale"),
     ],
 )
@@ -137,6 +140,52 @@ def test_each_module_waits_for_its_own_buckets_only(pool):
         assert buckets == len(waited) == 3 and sum(per_layer) == 3
         assert zero_grad == 3  # zero_grad waits for nothing
         assert total == 3  # nothing left for settle()
+
+
+def flat_waits_task(ctx, cut):
+    """Under the flat rule, which ranges each layer's first call waits for, against the ranks
+    holding a piece of its params (``opt.plan``); whether the ranges carry slots. No biases:
+    a layer's only param is the one cut by a range boundary (``cut``: 32 x 36 elements, 2 of
+    them cut, slots; else 48, 80, 120 and 12 elements, 2 cut, back to back)."""
+    torch.manual_seed(0)
+    widths = [6] * 33 if cut else [6, 8, 10, 12, 1]
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b, bias=False), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1, partition_rule="flat")
+    opt.attach(model)
+    loss(model, 0).backward()
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    holders = [
+        sorted({piece.owner for p in m.parameters() for piece in opt.plan.pieces_of(index[id(p)])})
+        for m in model
+    ]
+    with waits_logged() as seen:
+        opt.step()
+        per_layer, x = [], torch.randn(5, 6)
+        for m in model:
+            before = len(seen)
+            x = m(x)
+            per_layer.append(len(seen) - before)
+        opt.settle()
+    slotted = opt.sync.status.vector is None
+    return holders, per_layer, len(opt.plan.split), slotted
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["slotted", "back_to_back"])
+def test_under_the_flat_rule_each_module_waits_for_the_ranges_of_its_pieces(pool, cut):
+    """3 ranks: a layer waits, at its call, for every range holding a piece of its params
+    not waited for yet (a param cut by a range boundary: each range of its pieces)."""
+    for holders, per_layer, split, slotted in pool.run(
+        flat_waits_task, cut, world_size=3, timeout=TIMEOUT
+    ):
+        assert split >= 1 and slotted == cut
+        assert any(len(h) > 1 for h in holders)  # a layer whose params span two ranges
+        waited: set[int] = set()
+        for mine, count in zip(holders, per_layer):
+            assert count == len(set(mine) - waited), (holders, per_layer)
+            waited |= set(mine)
 
 
 def entry_points_task(ctx, call):

@@ -16,6 +16,7 @@ from helpers import (
     flat_params,
     groups_of,
     loss_of,
+    make_cut_model,
     make_model,
     train_in_lockstep,
 )
@@ -206,10 +207,10 @@ def test_clip_grad_norm_over_pieces_matches_torch(pool, world, norm_type, filter
         assert torch.equal(r["params"], results[0]["params"])
 
 
-def wire_task(ctx):
+def wire_task(ctx, cut=False):
     """One bf16-compressed step: every element, the owner's pieces too, is plain Adam's value
     rounded (the owner keeps the exact one in its main copy)."""
-    model = make_model(depth=4)
+    model = make_cut_model() if cut else make_model(depth=4)
     ref_model = clone_model(model)
     opt = _flat(model, ctx, torch.optim.Adam, broadcast_dtype=torch.bfloat16, lr=0.01)
     ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
@@ -224,12 +225,71 @@ def wire_task(ctx):
     }
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["back_to_back", "slotted"])
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3]], ids=["ws2", "ws4"])
-def test_compressed_wire_rounds_every_replica_alike(pool, world):
-    results = pool.run(wire_task, **world)
+def test_compressed_wire_rounds_every_replica_alike(pool, world, cut):
+    results = pool.run(wire_task, cut, **world)
     for r in results:
         assert r["rounded"] and r["changed"] and r["main_bytes"] > 0
         assert torch.equal(r["got"], results[0]["got"])
+
+
+def tiny_updates_task(ctx):
+    """50 SGD steps of 1e-4 on params at 1.0 over a bf16 wire (resolution 2**-7 there),
+    params cut by range boundaries among them: the exact values accumulate on the owners."""
+    sizes = [36, 6] * 29
+    params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
+    opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, partition_rule="flat", lr=1e-4,
+              broadcast_dtype=torch.bfloat16)  # fmt: skip
+    want = torch.ones(sum(sizes))
+    for _ in range(50):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        want.add_(torch.ones_like(want), alpha=-1e-4)  # plain SGD in fp32
+    got = torch.cat([p.detach().reshape(-1) for p in params])
+    slotted = opt.sync.status.vector is None
+    return len(opt.plan.split), slotted, torch.equal(got, want.to(torch.bfloat16).float()), got
+
+
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[2]], ids=["ws2", "ws3"])
+def test_updates_below_the_wire_resolution_accumulate_in_cut_params(pool, world):
+    results = pool.run(tiny_updates_task, **world)
+    for split, slotted, rounded, got in results:
+        assert split >= 1 and slotted and rounded and bool((got < 1).all())
+        assert torch.equal(got, results[0][3])
+
+
+def written_in_place_task(ctx, cut):
+    """Params written in place between steps (a model's ``load_state_dict``, an in-place op),
+    params cut across ranks among them: the owners step the written values, as the plain
+    optimizer does (``cut``: a model whose ranges carry slots, its cut params a copy)."""
+    model = make_cut_model() if cut else make_model(depth=4)
+    ref_model = clone_model(model)
+    opt = _flat(model, ctx, torch.optim.Adam, lr=0.01)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    exact = []
+    for step in range(4):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            backward(m, step)
+            o.step()
+            if step == 0:
+                m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})
+            elif step == 1:
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.add_(0.25)
+        exact.append(torch.equal(flat_params(model), flat_params(ref_model)))
+    slotted = opt.sync.status.vector is None  # every code travels in a range's slot
+    return {"exact": exact, "split": len(opt.plan.split), "slotted": slotted}
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["slotted", "back_to_back"])
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "offset23"])
+def test_params_written_in_place_between_steps_are_what_the_owners_step(pool, world, cut):
+    for r in pool.run(written_in_place_task, cut, **world):
+        assert r["split"] >= 1 and r["slotted"] == cut and all(r["exact"]), r
 
 
 def scaler_task(ctx):

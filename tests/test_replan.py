@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from helpers import backward, catch, flat_params, make_model
+from helpers import backward, catch, flat_params, make_cut_model, make_model
 
 from oss_plus import OSS
 from oss_plus._params import PLANS_DIFFER
@@ -81,8 +81,11 @@ def test_a_change_on_some_ranks_raises_on_every_rank_at_the_same_call(
 def every_rank_task(ctx, rule: str, how: str) -> tuple[bool, tuple[str, str], bool]:
     """Change the trainability of a param on every rank (``freeze`` or ``unfreeze`` the same
     one, or ``differ``: unfreeze a rank-dependent one), then step; compare with plain SGD
-    with the same changes, and say whether the plan followed."""
-    model = make_model()
+    with the same changes, and say whether the plan followed. Every param is written in
+    place before every step: the unstepped sync of the change sends what was written
+    (``flat_cut``: the flat rule with params cut by range boundaries that carry slots)."""
+    model = make_cut_model() if rule == "flat_cut" else make_model()
+    rule = "flat" if rule == "flat_cut" else rule
     if how != "freeze":
         for i in (0, 2):
             model[i].weight.requires_grad_(False)
@@ -90,6 +93,10 @@ def every_rank_task(ctx, rule: str, how: str) -> tuple[bool, tuple[str, str], bo
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1, momentum=0.9, partition_rule=rule)
     ref = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     for step in range(WINDOWS + 4):
+        for m in (model, ref_model):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.mul_(0.875)  # exact in binary: the same on both sides
         if step == 2:
             which = 2 * ctx.rank if how == "differ" else 0
             for m in (model, ref_model):
@@ -106,7 +113,7 @@ def every_rank_task(ctx, rule: str, how: str) -> tuple[bool, tuple[str, str], bo
     return flat_params(model).equal(flat_params(ref_model)), ("ok", None), followed
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", [*RULES, "flat_cut"])
 @pytest.mark.parametrize("how", ["freeze", "unfreeze"])
 def test_the_same_change_on_every_rank_repartitions_and_steps_exactly(pool, rule, how):
     results = pool.run(every_rank_task, rule, how, world_size=3, timeout=TIMEOUT)

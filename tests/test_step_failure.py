@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import WORLD_IDS, WORLDS, backward, catch, flat_params, make_model
+from helpers import WORLD_IDS, WORLDS, backward, catch, flat_params, make_cut_model, make_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import oss_plus._dist
@@ -65,6 +65,9 @@ def check_everyone_raised(results, failing, kind="IndexError", text=None, wire=N
 def make_optimizer(ctx, params, kind):
     if kind == "core":
         return OSS(params, optim=FailingSGD, group=ctx.group, lr=0.1)
+    if kind == "flat":  # the flat rule (with make_cut_model: ranges that carry slots)
+        optim = oss_plus.elementwise(FailingSGD)
+        return OSS(params, optim=optim, group=ctx.group, partition_rule="flat", lr=0.1)
     if kind == "fairscale":
         from oss_plus.compat.fairscale import OSS as FairscaleOSS
 
@@ -92,7 +95,7 @@ def transport(name):
 def fail_task(
     ctx, failing, kind="core", via="broadcast", wire=None, how="optimizer", then="settle"
 ):
-    model = make_model()
+    model = make_cut_model() if kind == "flat" else make_model()
     with transport(via):
         opt = make_optimizer(ctx, model.parameters(), kind)
     opt.broadcast_dtype = wire
@@ -161,6 +164,13 @@ def test_every_transport_and_compression_carries_the_failure(pool, via, wire):
     check_everyone_raised(results, 0, wire=wire)
 
 
+@pytest.mark.parametrize("via", ["broadcast", "all_gather"])
+@pytest.mark.parametrize("wire", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_flat_rule_carries_the_failure_in_its_ranges(pool, via, wire):
+    results = pool.run(fail_task, 2, "flat", via, wire, world_size=3, timeout=TIMEOUT)
+    check_everyone_raised(results, 2, wire=wire)
+
+
 @pytest.mark.parametrize("kind", ["fairscale", "torch", "torch_bucket_view"])
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "off"])
 def test_the_adapters_raise_on_every_rank(pool, kind, world):
@@ -198,8 +208,9 @@ def test_a_rank_that_owns_nothing_still_reports_its_failure(pool):
         assert torch.equal(after, torch.full((7,), 0.9))  # the two owners' steps arrived
 
 
-def collectives_task(ctx, n_params):
-    """The collectives of 3 good steps: their kinds, and how often ``agree`` ran."""
+def collectives_task(ctx, n_params, rule="fairscale"):
+    """The collectives of 3 good steps: their kinds, how often ``agree`` ran, the buckets,
+    the params cut across ranks, and the params against 3 plain SGD updates."""
     from oss_plus import status
 
     calls, seen = [], []
@@ -217,8 +228,12 @@ def collectives_task(ctx, n_params):
         seen.append("status all_gather")
         return gather(*args, **kwargs)
 
-    params = [torch.nn.Parameter(torch.ones(5 + i)) for i in range(n_params)]
-    opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    sizes = {"flat": [36, 6] * 29, "flat_wide": [13 * (i + 1) for i in range(n_params)]}.get(
+        rule, [5 + i for i in range(n_params)]
+    )  # flat: a cut param of 36 elements in 1218 (slots); flat_wide: 117 in 273 (no slots)
+    params = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
+    rule = "flat" if rule == "flat_wide" else rule
+    opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=0.1, partition_rule=rule)
     patched = (counting, counting_broadcast, counting_gather)
     oss_plus._dist.agree, dist.broadcast, status._all_gather_single = patched
     try:
@@ -232,17 +247,38 @@ def collectives_task(ctx, n_params):
             broadcast,
             gather,
         )
-    return len(calls), seen, len(opt.sync.buckets)
+    want = torch.ones(sum(p.numel() for p in params))
+    for _ in range(3):
+        want.add_(torch.ones_like(want), alpha=-0.1)  # what plain SGD does
+    got = torch.cat([p.detach().reshape(-1) for p in params])
+    return len(calls), seen, len(opt.sync.buckets), len(opt.plan.split), torch.equal(got, want)
 
 
 def test_no_extra_collective_unless_a_rank_sends_no_bucket(pool):
     """Every rank sends a bucket: the buckets alone, no agree. A rank owning nothing (3 ranks,
     2 params): one small status all_gather per step, started with the buckets (no agree)."""
-    for agreed, seen, buckets in pool.run(collectives_task, 6, world_size=3, timeout=TIMEOUT):
-        assert agreed == 0 and seen == ["broadcast"] * buckets * 3, seen
-    for agreed, seen, buckets in pool.run(collectives_task, 2, world_size=3, timeout=TIMEOUT):
-        assert agreed == 0 and buckets == 2
+    runs = pool.run(collectives_task, 6, world_size=3, timeout=TIMEOUT)
+    for agreed, seen, buckets, _, right in runs:
+        assert agreed == 0 and seen == ["broadcast"] * buckets * 3 and right, seen
+    runs = pool.run(collectives_task, 2, world_size=3, timeout=TIMEOUT)
+    for agreed, seen, buckets, _, right in runs:
+        assert agreed == 0 and buckets == 2 and right
         assert seen == ["status all_gather", "broadcast", "broadcast"] * 3, seen
+
+
+def test_the_flat_rule_sends_its_status_in_its_ranges(pool):
+    """The flat rule on 3 ranks, a param cut by a range boundary: one broadcast per range and
+    per step, no status all_gather (the ranges carry slots); where the cut params hold more
+    than ``SLOTTED_SHARE`` of the elements, the ranges stay back to back and one small status
+    all_gather goes with them. The params are what plain SGD gives in both."""
+    runs = pool.run(collectives_task, 6, "flat", world_size=3, timeout=TIMEOUT)
+    for agreed, seen, buckets, split, right in runs:
+        assert split >= 1 and buckets == 3 and right
+        assert agreed == 0 and seen == ["broadcast"] * 3 * 3, seen
+    runs = pool.run(collectives_task, 6, "flat_wide", world_size=3, timeout=TIMEOUT)
+    for agreed, seen, buckets, split, right in runs:
+        assert split >= 2 and buckets == 3 and right
+        assert agreed == 0 and seen == (["status all_gather"] + ["broadcast"] * 3) * 3, seen
 
 
 # ------------------------------------------------------------------ the overlapped step
