@@ -105,6 +105,26 @@ def test_the_overlapped_sync_is_bit_identical_to_the_blocking_one(
         assert torch.equal(params, results[0][1])
 
 
+def layer_waits(model, seen):
+    """Call each layer of ``model`` in turn: how many transfers each call waited for."""
+    per_layer, x = [], torch.randn(5, 6)
+    for m in model:
+        before = len(seen)
+        x = m(x)
+        per_layer.append(len(seen) - before)
+    return per_layer
+
+
+def check_layers_wait_for_new(holders, per_layer):
+    """Each layer waited for the holders of its params not waited for yet, and for nothing
+    else; return every holder waited for."""
+    waited: set[int] = set()
+    for mine, count in zip(holders, per_layer):
+        assert count == len(set(mine) - waited), (holders, per_layer)
+        waited |= set(mine)
+    return waited
+
+
 def bucket_waits_task(ctx):
     """Which transfers step(), each layer's first call and settle() wait for."""
     model = make_model(depth=4)
@@ -115,11 +135,7 @@ def bucket_waits_task(ctx):
     with waits_logged() as seen:
         opt.step()
         at_step = len(seen)
-        per_layer, x = [], torch.randn(5, 6)
-        for m in model:
-            before = len(seen)
-            x = m(x)
-            per_layer.append(len(seen) - before)
+        per_layer = layer_waits(model, seen)
         opt.zero_grad()
         after_zero_grad = len(seen)
         opt.settle()
@@ -133,10 +149,7 @@ def test_each_module_waits_for_its_own_buckets_only(pool):
         bucket_waits_task, world_size=3, timeout=TIMEOUT
     ):
         assert at_step == 0
-        waited: set[int] = set()
-        for mine, count in zip(owners, per_layer):
-            assert count == len(set(mine) - waited), (owners, per_layer)
-            waited |= set(mine)
+        waited = check_layers_wait_for_new(owners, per_layer)
         assert buckets == len(waited) == 3 and sum(per_layer) == 3
         assert zero_grad == 3  # zero_grad waits for nothing
         assert total == 3  # nothing left for settle()
@@ -163,11 +176,7 @@ def flat_waits_task(ctx, cut):
     ]
     with waits_logged() as seen:
         opt.step()
-        per_layer, x = [], torch.randn(5, 6)
-        for m in model:
-            before = len(seen)
-            x = m(x)
-            per_layer.append(len(seen) - before)
+        per_layer = layer_waits(model, seen)
         opt.settle()
     slotted = opt.sync.status.vector is None
     return holders, per_layer, len(opt.plan.split), slotted
@@ -182,10 +191,7 @@ def test_under_the_flat_rule_each_module_waits_for_the_ranges_of_its_pieces(pool
     ):
         assert split >= 1 and slotted == cut
         assert any(len(h) > 1 for h in holders)  # a layer whose params span two ranges
-        waited: set[int] = set()
-        for mine, count in zip(holders, per_layer):
-            assert count == len(set(mine) - waited), (holders, per_layer)
-            waited |= set(mine)
+        check_layers_wait_for_new(holders, per_layer)
 
 
 def entry_points_task(ctx, call):
