@@ -61,9 +61,6 @@ class SplitParams:
                     self._mine[0].append(part)
                     self._mine[1].append(view)
 
-    def __bool__(self) -> bool:
-        return bool(self._copies)
-
     def view(self, param: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
         """This rank's piece ``[start, end)`` of ``param`` in its bucket, or None when
         ``param`` does not span buckets there (its piece is then a view of the param)."""
