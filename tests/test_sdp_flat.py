@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from helpers import WORLD_IDS, WORLDS
+from helpers import WORLD_IDS, WORLDS, make_cut_model
 from sdp_utils import Net, batch, flat, max_diff, same_everywhere
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -58,10 +58,18 @@ def _bf16_hook(group, bucket):
 
 
 def flat_task(
-    ctx, bucket, collective, branch=False, accumulate=0, steps=3, bf16=False, freeze_at=None
+    ctx,
+    bucket,
+    collective,
+    branch=False,
+    accumulate=0,
+    steps=3,
+    bf16=False,
+    freeze_at=None,
+    cut=False,
 ):
     torch.manual_seed(0)
-    model = Net(branch=branch)
+    model = make_cut_model() if cut else Net(branch=branch)  # cut: ranges with slots
     ref = copy.deepcopy(model)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01,
               partition_rule="flat")  # fmt: skip
@@ -79,19 +87,21 @@ def flat_task(
         if freeze_at is not None:  # fc1 frozen for two steps: the cut moves twice
             for m in (sdp.module, ddp.module):
                 m.fc1.weight.requires_grad_(not freeze_at <= step < freeze_at + 2)
-        use_branch = branch and (step + ctx.rank) % 2 == 0
+        use_branch = {} if cut else {"use_branch": branch and (step + ctx.rank) % 2 == 0}
         for net, o in ((sdp, opt), (ddp, ref_opt)):
             o.zero_grad()
+            width = 6 if cut else 8
             for micro in range(accumulate):
                 with net.no_sync():
-                    net(batch(100 + micro, ctx.rank)).pow(2).mean().backward()
-            net(batch(step, ctx.rank), use_branch=use_branch).pow(2).mean().backward()
+                    net(batch(100 + micro, ctx.rank, width)).pow(2).mean().backward()
+            net(batch(step, ctx.rank, width), **use_branch).pow(2).mean().backward()
         checks.append(_grads_as_expected(ctx, sdp, opt, ddp))
         opt.step()
         ref_opt.step()
     return {
         "checks": checks,
         "split": len(opt.plan.split),
+        "slotted": opt.sync.status.vector is None,
         "exact": torch.equal(flat(sdp.module), flat(ddp.module)),
         "diff": max_diff(sdp.module, ddp.module),
         "replicas": same_everywhere(ctx, flat(sdp.module)),
@@ -117,6 +127,15 @@ def _assert(results, world_id):
 def test_flat_rule_matches_ddp_and_the_unsharded_optimizer(pool, world, bucket, collective):
     world_id = WORLD_IDS[WORLDS.index(world)]
     _assert(pool.run(flat_task, bucket, collective, **world), world_id)
+
+
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+@pytest.mark.parametrize("world", [WORLDS[1], WORLDS[2]], ids=["ws2", "ws3"])
+def test_flat_rule_with_ranges_that_carry_slots_matches_ddp(pool, world, collective):
+    """A param cut by a range boundary keeps a copy of its own (the ranges carry slots)."""
+    results = pool.run(flat_task, 2**23, collective, accumulate=1, cut=True, **world)
+    assert all(r["slotted"] for r in results)
+    _assert(results, WORLD_IDS[WORLDS.index(world)])
 
 
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3]], ids=["ws2", "ws4"])
