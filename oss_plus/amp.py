@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from oss_plus import _dist
+from oss_plus._trace import label
 from oss_plus.plan import ShardPlan
 
 __all__ = ["ShardedGradScaler"]
@@ -115,7 +116,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         except (ValueError, AssertionError) as exc:
             error = exc
         found = sum(int(bool(flag.item())) for flag in per_device.values())
-        with torch.profiler.record_function("oss_plus::found_inf_all_reduce"):
+        with label("oss_plus::found_inf_all_reduce"):
             found = max(_dist.agree(error, group, value=found))
         return {found_inf.device: torch.full_like(found_inf, float(found))}
 

@@ -54,6 +54,7 @@ from oss_plus._norms import (
     scale_grads_,
     sharded_norms,
 )
+from oss_plus._trace import label
 from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan
 
@@ -111,7 +112,7 @@ def clip_sharded_(
     """
     p = check_norm_type(norm_type)
     max_norm = _check_max_norm(max_norm)
-    with torch.profiler.record_function("oss_plus::clip_grad_norm"):
+    with label("oss_plus::clip_grad_norm"):
         norms, with_grad = norms_and_presence(params, owned, p, group)
         if len(with_grad) != len(params):
             keep = torch.tensor(with_grad, dtype=torch.long, device=norms.device)
@@ -180,7 +181,7 @@ def clip_grad_norm_(
     max_norm = _check_max_norm(max_norm)
     params = list(params)
     counted = params if counted is None else list(counted)
-    with torch.profiler.record_function("oss_plus::clip_grad_norm"):
+    with label("oss_plus::clip_grad_norm"):
         comm = _dist.comm_device(group)
         grads = [q.grad for q in counted if q.grad is not None]
         total = reduce_partial(local_partial(grads, p, comm), p, group).to(dtype)

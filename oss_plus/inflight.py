@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from oss_plus import _dist
+from oss_plus._trace import label
 from oss_plus.status import PeerSlots
 
 __all__ = ["ForwardWaits", "InFlight", "Pending"]
@@ -92,7 +93,7 @@ class InFlight:
         every tensor (not collective: the transfers were started on every rank)."""
         if self.done:
             return
-        with torch.profiler.record_function("oss_plus::sync.wait"):
+        with label("oss_plus::sync.wait"):
             for transfer in self.pending:
                 transfer.wait()
         held = [h for p in self.pending for h in p.held]

@@ -19,6 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from oss_plus import _dist, _params
+from oss_plus._trace import label
 from oss_plus.consolidate import whole_states
 from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
@@ -71,7 +72,7 @@ class LocalShard:
         targets = self.targets
         if targets.tensors:
             targets.set_grads()
-        with torch.profiler.record_function("oss_plus::local_step"):
+        with label("oss_plus::local_step"):
             loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
         if targets.tensors:
             targets.clear_grads()

@@ -51,6 +51,7 @@ from oss_plus._layout import (
     owner_buckets,
     per_param,
 )
+from oss_plus._trace import label
 from oss_plus.changes import Addresses
 from oss_plus.inflight import InFlight, Pending
 from oss_plus.main_copy import MainCopy
@@ -236,7 +237,7 @@ class BucketSync:
         """
         if self.world_size == 1:
             return InFlight([], {}, None, self.group)
-        with torch.profiler.record_function("oss_plus::sync"):
+        with label("oss_plus::sync"):
             pending, covers = self._start_gathers(wire, code)
             vector = self.status.send_vector(code)
             if vector is not None:

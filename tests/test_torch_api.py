@@ -34,7 +34,11 @@ PRIVATE = {
     "Optimizer._optimizer_state_dict_pre_hooks": "oss_plus/state_dict.py",
     "DistributedDataParallel._has_rebuilt_buckets": "oss_plus/compat/ddp_zero_hook.py",
     "Module._parameters": "oss_plus/data_parallel/sharded_ddp.py",
+    "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
+    "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
 }
+#: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
+OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
 ROOT = DOC.parents[1]
 
 
@@ -177,7 +181,9 @@ def test_arrival_check_falls_back_when_torch_has_no_default_store_getter(pool):
 
 
 #: The APIs reachable without a process group (DDP's flag: the pool test above).
-WITHOUT_GROUP = sorted(n for n in PRIVATE if not n.startswith("DistributedDataParallel."))
+WITHOUT_GROUP = sorted(
+    n for n in PRIVATE if not n.startswith("DistributedDataParallel.") and n not in OPTIONAL
+)
 
 
 @pytest.mark.parametrize("name", WITHOUT_GROUP)
@@ -224,3 +230,28 @@ def test_own_storage_keeps_the_views_strides():
         assert owned.untyped_storage().data_ptr() == view.data_ptr()  # its own storage, same memory
         owned.add_(1)
         assert torch.equal(owned, view)  # written through
+
+
+def test_the_profiler_flag_is_set_only_while_a_profiler_records():
+    from torch.profiler import ProfilerActivity, profile
+
+    assert torch.autograd._profiler_enabled() is False
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert torch.autograd._profiler_enabled() is True
+    assert torch.autograd._profiler_enabled() is False
+
+
+@pytest.mark.parametrize("loop", ["torch", "fallback"])
+def test_the_address_check_sees_a_replaced_data_with_either_loop(monkeypatch, loop):
+    from oss_plus import changes
+
+    if loop == "torch" and changes._ptrs_equal is None:
+        pytest.skip("this torch build has no _tensors_data_ptrs_at_indices_equal")
+    if loop == "fallback":
+        monkeypatch.setattr(changes, "_ptrs_equal", None)
+    base = torch.zeros(6)
+    params = [base[:2], base[2:], torch.zeros(3)]
+    kept = changes.Addresses(params)
+    assert kept.intact()
+    params[1].data = torch.zeros(4)  # re-allocated, the old storage still alive in base
+    assert not kept.intact()

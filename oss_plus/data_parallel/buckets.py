@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from oss_plus import _dist
+from oss_plus._trace import label
 from oss_plus.data_parallel.compress import buffer_dtype
 from oss_plus.data_parallel.plan import ReducePlan, launch_groups
 
@@ -296,7 +297,7 @@ class Buckets:
             flat.mul_(1.0 / self.world_size)
         given = [flat] if target is flat else [flat, target]
         counts = _dist.use_counts(given)
-        with torch.profiler.record_function("oss_plus::sdp::reduce_bucket"):
+        with label("oss_plus::sdp::reduce_bucket"):
             if self._scatter and not self.flat[first]:
                 work = dist.reduce_scatter_tensor(target, flat, group=self.group, async_op=True)
             else:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from oss_plus._trace import label
 from oss_plus.data_parallel.buckets import Buckets
 from oss_plus.data_parallel.hooks import copy_pieces, make_hook
 from oss_plus.data_parallel.plan import ReducePlan
@@ -329,7 +330,7 @@ class GradReducer:
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, settle unused."""
-        with torch.profiler.record_function("oss_plus::sdp::flush"):
+        with label("oss_plus::sdp::flush"):
             buckets = self.buckets
             if buckets.next < len(buckets.groups):
                 self._fill_missing()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from oss_plus import _dist
+from oss_plus._trace import label
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
@@ -189,7 +190,7 @@ class ShardedDataParallel(nn.Module):
 
         .. warning:: Collective: call on every rank of ``process_group``.
         """
-        with torch.profiler.record_function("oss_plus::sdp::forward"):
+        with label("oss_plus::sdp::forward"):
             self._refresh_if_changed()
             assert self._reducer is not None
             if self._refuse_at_forward or self._reducer.graph_grad:
@@ -253,7 +254,7 @@ class ShardedDataParallel(nn.Module):
 
         .. warning:: Collective: call on every rank of ``process_group``.
         """
-        with torch.profiler.record_function("oss_plus::sdp::refresh_trainable"):
+        with label("oss_plus::sdp::refresh_trainable"):
             if self._reducer is not None and self._reducer.pending and not self._accumulate:
                 logger.warning(
                     "refresh_trainable() with gradients waiting to be reduced; for gradient "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from oss_plus import _dist
+from oss_plus._trace import label
 from oss_plus.optimizer import OSS
 from oss_plus.overlap.ddp import (
     CommHook,
@@ -199,7 +200,7 @@ class DDPOverlap:
         opt = self.optimizer
         error, sent, held = self._error, self._sent, self._held
         try:
-            with torch.profiler.record_function("oss_plus::overlap.wait"):
+            with label("oss_plus::overlap.wait"):
                 _wait_all(self._works)
         finally:
             self._reset()
@@ -256,7 +257,7 @@ class DDPOverlap:
         if not entry.owned or self._error is not None:
             return
         grads = grad_views(bucket, value)
-        with self._lock, torch.profiler.record_function("oss_plus::overlap.step"):
+        with self._lock, label("oss_plus::overlap.step"):
             inner = self.optimizer.optim
             narrowed = entry.groups_for(inner)
             saved = [g["params"] for g in inner.param_groups]
