@@ -275,3 +275,9 @@ def test_nccl_with_fewer_gpus_than_ranks_is_a_one_line_error(monkeypatch, capsys
         "oss-plus bench: error: --backend nccl needs one GPU per rank: 2 ranks, 1 GPU(s); "
         "use --backend gloo"
     )
+
+
+def test_zero2_rejects_an_unknown_config_instead_of_running_fairscale():
+    for name in ("ddp", "fairscale", "ddp_again"):
+        with pytest.raises(ValueError, match=f"unknown config '{name.removesuffix('_again')}'"):
+            zero2._wrap(name, torch.nn.Linear(2, 2), 0)

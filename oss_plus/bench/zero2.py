@@ -47,7 +47,9 @@ CONFIGS = (
 )
 #: Also accepted by --configs: oss_plus's SDP forced to one collective. A ``_no_unused``
 #: suffix means ``find_unused_parameters=False`` (like DDP's default, and fairscale's SDP,
-#: which sends no used flags); ``_flat``, an optimizer with ``partition_rule="flat"``.
+#: which sends no used flags); ``_flat``, an optimizer with ``partition_rule="flat"``. An
+#: ``_again`` suffix runs a second copy of any config (``fairscale_sdp_again``): the spread
+#: between two identical rows is the bench's own noise.
 EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
@@ -94,6 +96,7 @@ def _grad_bytes(params: Sequence[torch.Tensor], opt: Any = None) -> int:
 
 
 def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tuple[Any, Any]:
+    config = config.removesuffix("_again")
     if config.startswith("oss_plus_sdp"):
         from oss_plus import OSS, ShardedDataParallel
 
@@ -117,6 +120,11 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
 
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
         return DistributedDataParallel(model), opt
+    if config != "fairscale_sdp":
+        raise ValueError(
+            f"unknown config {config!r}: expected one of {CONFIGS + EXTRA_CONFIGS}, an "
+            "oss_plus_sdp config with _no_unused or _flat, or any of them with _again"
+        )
     from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
     from fairscale.optim import OSS as FairscaleOSS
 
