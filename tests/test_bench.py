@@ -278,6 +278,23 @@ def test_nccl_with_fewer_gpus_than_ranks_is_a_one_line_error(monkeypatch, capsys
 
 
 def test_zero2_rejects_an_unknown_config_instead_of_running_fairscale():
-    for name in ("ddp", "fairscale", "ddp_again"):
+    for name in ("ddp", "fairscale", "ddp_again", "oss_plus_sdp_typo"):
         with pytest.raises(ValueError, match=f"unknown config '{name.removesuffix('_again')}'"):
             zero2._wrap(name, torch.nn.Linear(2, 2), 0)
+    for name in (*zero2.CONFIGS, *zero2.EXTRA_CONFIGS, "fairscale_sdp_again"):
+        zero2.check_config(name)  # every config the bench documents is accepted
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "1"], "--steps must be at least 2"),
+        (["--deep-rounds", "0"], "--deep-rounds must be at least 1"),
+        (["--configs", "ddp_oss,ddp"], "unknown config 'ddp'"),
+    ],
+)
+def test_zero2_rejects_bad_arguments_before_starting_ranks(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        zero2.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

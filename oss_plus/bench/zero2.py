@@ -95,7 +95,30 @@ def _grad_bytes(params: Sequence[torch.Tensor], opt: Any = None) -> int:
     return sum(storages.values())
 
 
+def check_config(config: str) -> None:
+    """Raise ``ValueError`` unless ``config`` names a configuration :func:`_wrap` builds.
+
+    Example:
+        >>> check_config("oss_plus_sdp_flat_no_unused_again")
+        >>> check_config("ddp")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown config 'ddp': expected ...
+    """
+    name = config.removesuffix("_again")
+    if name in ("ddp_oss", "fairscale_sdp"):
+        return
+    base = name.replace("_no_unused", "").replace("_flat", "")
+    if base in ("oss_plus_sdp", *EXTRA_CONFIGS):
+        return
+    raise ValueError(
+        f"unknown config {name!r}: expected one of {CONFIGS + EXTRA_CONFIGS}, an "
+        "oss_plus_sdp config with _no_unused or _flat, or any of them with _again"
+    )
+
+
 def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tuple[Any, Any]:
+    check_config(config)
     config = config.removesuffix("_again")
     if config.startswith("oss_plus_sdp"):
         from oss_plus import OSS, ShardedDataParallel
@@ -120,11 +143,6 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
 
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
         return DistributedDataParallel(model), opt
-    if config != "fairscale_sdp":
-        raise ValueError(
-            f"unknown config {config!r}: expected one of {CONFIGS + EXTRA_CONFIGS}, an "
-            "oss_plus_sdp config with _no_unused or _flat, or any of them with _again"
-        )
     from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
     from fairscale.optim import OSS as FairscaleOSS
 
@@ -260,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deep-layers", type=int, default=96, help="0 skips the small-layers row")
     p.add_argument("--deep-rounds", type=int, default=40)
     args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error(f"--steps must be at least 2 (the first step is a warm-up), got {args.steps}")
+    if args.deep_rounds < 1:
+        p.error(f"--deep-rounds must be at least 1, got {args.deep_rounds}")
+    try:
+        for config in args.configs.split(","):
+            check_config(config)
+    except ValueError as exc:
+        p.error(str(exc))
     backend = pick_backend(args.backend, args.world)
     if args.collectives:
         print(
