@@ -38,6 +38,7 @@ PORTABLE = (
     "tests/test_state_dict_hooks.py",
     "tests/test_step_cost.py",
     "tests/test_trace.py",
+    "tests/test_launch.py",
     "tests/test_compat_torch.py",
     "tests/test_gpu.py::test_gpu_tasks_hold_on_cpu",
     "tests/test_examples.py::test_ddp_train_example",

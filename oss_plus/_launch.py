@@ -131,6 +131,28 @@ def init_local_group(
     )
 
 
+def serve_store(timeout_s: float = PG_TIMEOUT_S) -> dist.TCPStore:
+    """Serve a TCP store from this process on a port the kernel picks while binding it.
+
+    Local ranks join it as clients (:func:`join_local_group`). A port found free and bound
+    later by rank 0 (:func:`free_port`) leaves a window in which another process can take
+    it. Here the port is bound from the start.
+    """
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def join_local_group(
+    rank: int, world_size: int, port: int, backend: str = "gloo", timeout_s: float = PG_TIMEOUT_S
+) -> None:
+    """Join the default process group of ``world_size`` local ranks through the store
+    another process serves on ``port`` (:func:`serve_store`)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _entry(
     rank: int,
     world: int,
@@ -145,7 +167,7 @@ def _entry(
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    init_local_group(rank, world, port, backend)
+    join_local_group(rank, world, port, backend)
     try:
         result = fn(rank, world, *args)
     except Exception:  # noqa: BLE001 - shipped to the parent, re-raised there
@@ -199,7 +221,8 @@ def run_local(
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    spec = (world_size, free_port(), backend, threads_per_rank(threads, world_size))
+    store = serve_store()  # served until the ranks are done: no port to lose meanwhile
+    spec = (world_size, store.port, backend, threads_per_rank(threads, world_size))
     results: dict[int, Any] = {}
     try:
         context = mp.start_processes(
