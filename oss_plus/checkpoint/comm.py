@@ -38,6 +38,7 @@ from oss_plus.checkpoint import storage
 __all__ = [
     "ALONE_BYTES",
     "barrier",
+    "broadcast_json",
     "broadcast_text",
     "gather_json",
     "receive_to_file",
@@ -96,6 +97,25 @@ def broadcast_text(text: str | None, length: int, group: Any) -> str:
     with released(group, buffer):
         dist.broadcast(buffer, src=global_rank(group, 0), group=group)
     return bytes(buffer.cpu().numpy()).decode("ascii")
+
+
+def broadcast_json(obj: Any, group: Any) -> Any:
+    """Broadcast the JSON-serialisable ``obj`` of group rank 0 (two small broadcasts).
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    device = comm_device(group)
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    data = json.dumps(obj, allow_nan=False).encode() if dist.get_rank(group) == 0 else b""
+    length.fill_(len(data))
+    with released(group, length):
+        dist.broadcast(length, src=global_rank(group, 0), group=group)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    with released(group, buffer):
+        dist.broadcast(buffer, src=global_rank(group, 0), group=group)
+    return json.loads(bytes(buffer.cpu().numpy()))
 
 
 # ----------------------------------------------------------------------------- tensor data

@@ -168,11 +168,12 @@ def execute(plan: SavePlan, group: Any) -> None:
     cleanup = _cleanup(plan)
     write = _write_sharded if plan.sharded else _write_consolidated
     index = write(plan, group)
-    _dist.run_phase(lambda: _commit(plan, index), group, cleanup=cleanup)
+    replaced = _dist.run_phase(lambda: _commit(plan, index), group, cleanup=cleanup)
     if plan.sharded:  # every rank can reach the directory: delete in parallel
-        storage.remove_replaced(plan.target, plan.save_id, plan.rank, plan.world_size)
+        names = comm.broadcast_json(replaced, group)
+        storage.remove_replaced(plan.target, names, plan.rank, plan.world_size)
     elif plan.coordinator:  # only rank 0 needs to reach it
-        storage.remove_replaced(plan.target, plan.save_id)
+        storage.remove_replaced(plan.target, replaced)
     comm.barrier(group)  # the replaced files are gone on every rank's return
 
 
@@ -183,13 +184,18 @@ def _cleanup(plan: SavePlan) -> Callable[[], None] | None:
     return lambda: storage.remove_stage(plan.target, plan.save_id)
 
 
-def _commit(plan: SavePlan, index: Index) -> None:
-    """On the coordinator: write ``index.json`` into the stage and commit (else nothing)."""
+def _commit(plan: SavePlan, index: Index) -> list[str]:
+    """On the coordinator: write ``index.json`` into the stage and commit (else nothing).
+
+    Returns:
+        The data files the commit replaced (on the coordinator; empty elsewhere).
+    """
     if not plan.coordinator:
-        return
+        return []
     storage.write_index(plan.stage, index)
-    storage.commit(plan.stage, plan.target, index)
+    replaced = storage.commit(plan.stage, plan.target, index)
     logger.info("saved %s checkpoint %s to %s", index.layout, plan.save_id, plan.target)
+    return replaced
 
 
 def _write_sharded(plan: SavePlan, group: Any) -> Index:
@@ -331,8 +337,8 @@ def write_state_dict(
     try:
         size, written = storage.write_file(plan.stage / plan.file_name, entries, save_id, progress)
         files = {plan.file_name: {"rank": 0, "bytes": size}}
-        _commit(plan, replace(index, files=files, state=written))
+        replaced = _commit(plan, replace(index, files=files, state=written))
     except BaseException:
         storage.remove_stage(plan.target, save_id)
         raise
-    storage.remove_replaced(plan.target, save_id)
+    storage.remove_replaced(plan.target, replaced)

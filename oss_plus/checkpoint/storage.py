@@ -6,6 +6,15 @@ the data files into the checkpoint directory under names that include the save i
 never overwrite the previous save's files) and then replaces ``index.json`` with one atomic
 ``os.replace``: the index is the commit point. Until it is replaced, the previous checkpoint
 is complete.
+
+Saves from several process groups to one path (two optimizers on disjoint subgroups) are
+safe: the coordinator holds an advisory ``flock`` on its stage directory while the save is in
+flight (a later save's sweep of stale stages skips it), and :func:`commit` runs under a lock
+on the checkpoint directory, where it lists the files it replaces. So a commit only removes
+files that were replaced before it committed, never the files of a later commit: exactly one
+complete checkpoint survives. Where the filesystem has no ``flock`` (some network
+filesystems), a commit removes only the files named by the index it replaced (never a
+concurrent save's), and a stale stage is left in place rather than risk a live one.
 """
 
 from __future__ import annotations
@@ -16,11 +25,18 @@ import os
 import secrets
 import shutil
 import sys
+import threading
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, the unlocked rules apply
+    fcntl = None  # type: ignore[assignment]
 
 from oss_plus.checkpoint.format import (
     DATA_FILE,
@@ -43,6 +59,7 @@ __all__ = [
     "open_writer",
     "prepare_stage",
     "remove_replaced",
+    "release_stage",
     "remove_stage",
     "write_file",
 ]
@@ -214,20 +231,101 @@ def check_target(path: Path) -> None:
 
 
 def prepare_stage(path: Path, save_id: str) -> Path:
-    """Check ``path``, remove stale temporary siblings, create and return the stage directory."""
+    """Check ``path``, remove stale temporary siblings, create and return the stage directory.
+
+    The stage stays locked (:func:`release_stage`) until it is committed or removed, so that
+    a concurrent save to the same path from another process group does not sweep it away.
+    """
     check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        logger.info("removing %s, left by an interrupted save", stale)
-        shutil.rmtree(stale, ignore_errors=True)
     stage = stage_path(path, save_id)
-    stage.mkdir()
+    with _locked(path.parent):  # the sweep and the new stage's lock are one step
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):
+            if stale != stage and _stale(stale):
+                logger.info("removing %s, left by an interrupted save", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        stage.mkdir()
+        _hold(stage)
     return stage
 
 
 def remove_stage(path: Path, save_id: str) -> None:
-    """Remove the stage directory of a failed save (best effort)."""
-    shutil.rmtree(stage_path(path, save_id), ignore_errors=True)
+    """Remove the stage directory of a failed save (best effort) and release its lock."""
+    stage = stage_path(path, save_id)
+    shutil.rmtree(stage, ignore_errors=True)
+    release_stage(stage)
+
+
+# ----------------------------------------------------------------------------- locks
+#: Stage directories this process holds locked, with their open descriptors.
+_HELD: dict[Path, int] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _lock_fd(directory: Path, flags: int) -> int | None:
+    """Open ``directory`` and ``flock`` it; None where the filesystem cannot lock.
+
+    Raises:
+        BlockingIOError: ``flags`` has LOCK_NB and another open description holds a lock.
+    """
+    if fcntl is None:
+        return None
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, flags)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError as exc:  # e.g. ENOLCK, EOPNOTSUPP, EBADF on NFS directories
+        os.close(fd)
+        logger.warning(
+            "cannot lock %s (%s): saves from several groups are not serialised", directory, exc
+        )
+        return None
+    return fd
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``directory``; yields whether it is locked."""
+    fd = _lock_fd(directory, fcntl.LOCK_EX) if fcntl is not None else None
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor releases the lock
+
+
+def _hold(stage: Path) -> None:
+    """Lock ``stage`` (shared) until :func:`release_stage`: the save is in flight."""
+    fd = _lock_fd(stage, fcntl.LOCK_SH) if fcntl is not None else None
+    if fd is not None:
+        with _HELD_LOCK:
+            _HELD[stage] = fd
+
+
+def release_stage(stage: Path) -> None:
+    """Release the in-flight lock of ``stage`` (nothing if this process does not hold it)."""
+    with _HELD_LOCK:
+        fd = _HELD.pop(stage, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _stale(stage: Path) -> bool:
+    """Whether ``stage`` belongs to no save in flight (its coordinator holds no lock on it)."""
+    if fcntl is None:
+        return True
+    try:
+        fd = _lock_fd(stage, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a save in flight, perhaps of another process group
+    except OSError:
+        return False  # vanished meanwhile, or unreadable: not ours to remove
+    if fd is None:
+        return False  # cannot tell: leave it rather than break a live save
+    os.close(fd)
+    return True
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -249,46 +347,64 @@ def write_index(stage: Path, index: Index) -> None:
         os.fsync(handle.fileno())
 
 
-def commit(stage: Path, path: Path, index: Index) -> None:
+def commit(stage: Path, path: Path, index: Index) -> list[str]:
     """Move the staged save into ``path``; the ``index.json`` replacement is the commit point.
 
-    A failure before the commit leaves the previous checkpoint as it was; the files of the
-    previous save are removed afterwards by :func:`remove_replaced`.
+    A failure before the commit leaves the previous checkpoint as it was. Runs under a lock on
+    ``path`` (when the filesystem has one), so concurrent commits to one path from several
+    process groups are serialised.
+
+    Returns:
+        The names of the data files this commit replaced, for :func:`remove_replaced`: with
+        the lock, every data file in ``path`` that was there before (the replaced save's and
+        orphans of interrupted ones); without it, only the files of the replaced index.
     """
     path.mkdir(parents=True, exist_ok=True)
-    moved = []
-    try:
-        for name in index.files:
-            os.rename(stage / name, path / name)
-            moved.append(path / name)
+    with _locked(path) as locked:
+        replaced = _replaced_files(path, index, locked)
+        moved = []
+        try:
+            for name in index.files:
+                os.rename(stage / name, path / name)
+                moved.append(path / name)
+            _fsync_dir(path)
+            os.replace(stage / INDEX_FILE, path / INDEX_FILE)
+        except BaseException:
+            for file in moved:
+                file.unlink(missing_ok=True)
+            raise
         _fsync_dir(path)
-        os.replace(stage / INDEX_FILE, path / INDEX_FILE)
-    except BaseException:
-        for file in moved:
-            file.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path)
     shutil.rmtree(stage, ignore_errors=True)
+    release_stage(stage)
+    return replaced
 
 
-def remove_replaced(path: Path, save_id: str, rank: int = 0, world_size: int = 1) -> None:
-    """Delete the data files in ``path`` that are not part of save ``save_id`` (best effort).
-
-    Called after the commit; with several ranks, each deletes the files assigned to it by a
-    hash of their name (the same on every rank, whatever each rank's listing shows while the
-    others delete), so large files are unlinked in parallel.
-    """
+def _replaced_files(path: Path, index: Index, locked: bool) -> list[str]:
+    """The data files a commit of ``index`` to ``path`` replaces (see :func:`commit`)."""
+    names: set[str] = set()
     try:
-        files = list(path.iterdir())
-    except OSError as exc:
-        logger.warning("could not list %s to remove a replaced checkpoint: %s", path, exc)
-        return
-    for file in files:
-        if not DATA_FILE.match(file.name) or save_id in file.name:
-            continue
-        if zlib.crc32(file.name.encode()) % world_size != rank:
+        previous = json.loads((path / INDEX_FILE).read_text("utf-8")).get("files", [])
+        names.update(f["name"] for f in previous if DATA_FILE.match(f["name"]))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass  # no previous index (a first save), or not readable: nothing it names
+    if locked:  # no other commit is between its renames and its index: the rest are orphans
+        try:
+            names.update(f.name for f in path.iterdir() if DATA_FILE.match(f.name))
+        except OSError as exc:
+            logger.warning("could not list %s to remove a replaced checkpoint: %s", path, exc)
+    return sorted(names - set(index.files))
+
+
+def remove_replaced(path: Path, names: list[str], rank: int = 0, world_size: int = 1) -> None:
+    """Delete the data files ``names`` that a commit to ``path`` replaced (best effort).
+
+    With several ranks, each deletes the files assigned to it by a hash of their name (the
+    same on every rank), so large files are unlinked in parallel.
+    """
+    for name in names:
+        if zlib.crc32(name.encode()) % world_size != rank:
             continue
         try:
-            file.unlink(missing_ok=True)
+            (path / name).unlink(missing_ok=True)
         except OSError as exc:
-            logger.warning("could not remove %s of a replaced checkpoint: %s", file, exc)
+            logger.warning("could not remove %s of a replaced checkpoint: %s", path / name, exc)
