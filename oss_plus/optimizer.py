@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist, _params
+from oss_plus import _dist, _params, hybrid
 from oss_plus._params import PLANS_DIFFER
 from oss_plus.clip import ShardedClip
 from oss_plus.inflight import ForwardWaits
@@ -69,6 +69,13 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
         shard_policy: keyword-only :class:`~oss_plus.plan.ShardPolicy` (partition rule,
             local order, bucket layout, transport); how the adapters customise the core.
+        replicate_group: keyword-only, for hybrid sharding: the ranks holding the same shard
+            as this one (one per shard group ``group``; :func:`oss_plus.hybrid_groups` builds
+            both). The state is sharded within ``group`` and replicated across this group;
+            the core plans and syncs within ``group`` only. Checkpoints are written by one
+            replica set, gradient sharding sums across it (``docs/hybrid.md``). The groups
+            must tile the world (checked with one all_gather over WORLD: construct on every
+            rank of the world).
         collective_state_dict: keyword-only, a plain attribute: :meth:`state_dict` without a
             prior consolidation here is collective (frameworks calling it on every rank;
             ``docs/integrations.md``).
@@ -110,11 +117,16 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         partition_rule: Rule | str | None = None,
         broadcast_dtype: torch.dtype | None = None,
         shard_policy: ShardPolicy | None = None,
+        replicate_group: Any | None = None,
         collective_state_dict: bool = False,
         auto_refresh: bool = True,
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
+        if replicate_group is not None:  # before anything else: a mistake raises everywhere
+            hybrid.check_groups(self.group, replicate_group)
+        #: The ranks holding the same shard (hybrid sharding), or None.
+        self.replicate_group = replicate_group
         self.collective_state_dict = collective_state_dict
         self.auto_refresh = auto_refresh
         self._initialized = False

@@ -19,6 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from oss_plus import _dist
 from oss_plus.checkpoint import background, comm, storage
 from oss_plus.checkpoint.format import (
@@ -89,6 +91,10 @@ def save_checkpoint(
     is raised again (as RuntimeError) by the next save. A save, blocking or not, first
     waits for the one in flight. See ``docs/checkpoints.md``.
 
+    Under hybrid sharding (``OSS(..., replicate_group=...)``) one replica set writes (the
+    ranks of replicate-group rank 0); the others write nothing and, blocking, return when
+    it committed (or raise what it raised). Not blocking, they return a future already done.
+
     Args:
         optimizer: the :class:`oss_plus.OSS` optimizer.
         path: the checkpoint directory (created if needed; a previous checkpoint is replaced).
@@ -114,6 +120,46 @@ def save_checkpoint(
     """
     check_optimizer(optimizer, "save_checkpoint")
     optimizer.settle()  # the last step's sync done and its status raised on every rank
+    replicas = getattr(optimizer, "replicate_group", None)
+    if replicas is not None:
+        return _save_once(optimizer, path, sharded, blocking, replicas)
+    return save_checkpoint_unreplicated(optimizer, path, sharded, blocking)
+
+
+def _save_once(
+    optimizer: Any, path: str | os.PathLike[str], sharded: bool, blocking: bool, replicas: Any
+) -> Future[str] | None:
+    """Hybrid sharding: replica set 0 (replicate-group rank 0) saves, the others write nothing.
+
+    Blocking, every rank returns (or raises, naming the failed rank) once the writers'
+    commit is done: the outcome is agreed over the replicate group. Not blocking, the
+    writers return the save's future; the other replica sets a future already done (they
+    hold no part of the save). Distributed checkpointing (DCP) is to follow the same rule:
+    only replica set 0 contributes write items, the planner deduplicating the rest.
+    """
+    writer = dist.get_rank(replicas) == 0
+    if not blocking:
+        if writer:
+            return save_checkpoint_unreplicated(optimizer, path, sharded, blocking=False)
+        done: Future[str] = Future()
+        done.set_result(str(Path(os.path.abspath(path))))
+        return done
+    error = None
+    if writer:
+        _, error = _dist.capture(
+            lambda: save_checkpoint_unreplicated(optimizer, path, sharded, blocking=True)
+        )
+    _dist.agree(error, replicas)
+    return None
+
+
+def save_checkpoint_unreplicated(
+    optimizer: Any, path: str | os.PathLike[str], sharded: bool, blocking: bool
+) -> Future[str] | None:
+    """:func:`save_checkpoint` over the optimizer's group alone (one replica set).
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
     saver = background.saver_of(optimizer)
     saver.settle()
     if blocking:

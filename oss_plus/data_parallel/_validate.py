@@ -20,6 +20,7 @@ from oss_plus.partition import Rule
 
 __all__ = [
     "FLAT_LAYOUT",
+    "HYBRID_NOT_SUPPORTED",
     "MISSING_PARAMS",
     "MIXED_DEVICE_TYPES",
     "MODULE_MOVED",
@@ -41,6 +42,13 @@ NOT_OSS = (
 OTHER_GROUP = (
     "ShardedDataParallel: optimizer {index} shards over the ranks {theirs} but process_group "
     "holds the ranks {ours}; pass process_group=<the optimizer's group> (opt.group)"
+)
+#: Raised for an optimizer with hybrid sharding (not supported by the wrapper yet).
+HYBRID_NOT_SUPPORTED = (
+    "ShardedDataParallel: optimizer {index} shards hybrid (replicate_group=...), which "
+    "gradient sharding does not support yet: its gradients would never be summed across the "
+    "replica sets. Use hybrid ZeRO-1 instead: DistributedDataParallel over the world around "
+    "the model, OSS(..., group=shard, replicate_group=replicate) (docs/hybrid.md)"
 )
 #: Raised when trainable params of the module are in no optimizer.
 MISSING_PARAMS = (
@@ -90,6 +98,8 @@ def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
         theirs = dist.get_process_group_ranks(optimizer.group)
         if theirs != ours:
             raise ValueError(OTHER_GROUP.format(index=index, theirs=theirs, ours=ours))
+        if getattr(optimizer, "replicate_group", None) is not None:
+            raise ValueError(HYBRID_NOT_SUPPORTED.format(index=index))
     return list(listed)
 
 
