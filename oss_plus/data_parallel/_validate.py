@@ -20,14 +20,16 @@ from oss_plus.partition import Rule
 
 __all__ = [
     "FLAT_LAYOUT",
-    "HYBRID_NOT_SUPPORTED",
     "MISSING_PARAMS",
     "MIXED_DEVICE_TYPES",
     "MODULE_MOVED",
     "NOT_OSS",
     "OTHER_GROUP",
+    "OTHER_REPLICAS",
     "SHARED_PARAM",
     "check_optimizers",
+    "check_replicas",
+    "default_groups",
     "flat_keys",
     "owners_of",
 ]
@@ -43,12 +45,11 @@ OTHER_GROUP = (
     "ShardedDataParallel: optimizer {index} shards over the ranks {theirs} but process_group "
     "holds the ranks {ours}; pass process_group=<the optimizer's group> (opt.group)"
 )
-#: Raised for an optimizer with hybrid sharding (not supported by the wrapper yet).
-HYBRID_NOT_SUPPORTED = (
-    "ShardedDataParallel: optimizer {index} shards hybrid (replicate_group=...), which "
-    "gradient sharding does not support yet: its gradients would never be summed across the "
-    "replica sets. Use hybrid ZeRO-1 instead: DistributedDataParallel over the world around "
-    "the model, OSS(..., group=shard, replicate_group=replicate) (docs/hybrid.md)"
+#: Raised when the wrapper's replicate group is not its optimizers'.
+OTHER_REPLICAS = (
+    "ShardedDataParallel: optimizer {index} replicates its shard over the ranks {theirs} but "
+    "replicate_group holds the ranks {ours}; pass replicate_group=<the optimizer's "
+    "replicate_group> (or leave it out: the wrapper takes the optimizer's)"
 )
 #: Raised when trainable params of the module are in no optimizer.
 MISSING_PARAMS = (
@@ -98,9 +99,34 @@ def check_optimizers(optimizers: Any, group: Any) -> list[OSS]:
         theirs = dist.get_process_group_ranks(optimizer.group)
         if theirs != ours:
             raise ValueError(OTHER_GROUP.format(index=index, theirs=theirs, ours=ours))
-        if getattr(optimizer, "replicate_group", None) is not None:
-            raise ValueError(HYBRID_NOT_SUPPORTED.format(index=index))
     return list(listed)
+
+
+def default_groups(optimizers: Any, process_group: Any, replicate_group: Any) -> tuple[Any, Any]:
+    """The groups a wrapper uses: those given, else its (first) optimizer's under hybrid
+    sharding (``process_group`` None stays WORLD without it, as before)."""
+    first = optimizers[0] if isinstance(optimizers, (list, tuple)) and optimizers else optimizers
+    theirs = getattr(first, "replicate_group", None)
+    if theirs is not None and process_group is None:
+        process_group = first.group
+    return process_group, replicate_group if replicate_group is not None else theirs
+
+
+def _ranks(group: Any) -> list[int] | None:
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def check_replicas(optimizers: Sequence[OSS], replicate_group: Any) -> None:
+    """Raise unless every optimizer replicates over the ranks of ``replicate_group``.
+
+    Raises:
+        ValueError: :data:`OTHER_REPLICAS`.
+    """
+    ours = _ranks(replicate_group)
+    for index, optimizer in enumerate(optimizers):
+        theirs = _ranks(getattr(optimizer, "replicate_group", None))
+        if theirs != ours:
+            raise ValueError(OTHER_REPLICAS.format(index=index, theirs=theirs, ours=ours))
 
 
 def owners_of(

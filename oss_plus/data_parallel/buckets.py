@@ -25,7 +25,16 @@ params). Each such bucket travels alone, with one ``dist.reduce`` to its owner.
 Groups launch strictly in plan order, each when all its buckets are full, so every rank
 issues the same collectives in the same order. At launch the buffer is scaled by
 ``1 / world_size`` (DDP's ``mul_out``; compressed: divided in the wire dtype, as DDP's
-compress hooks). On gloo every collective returns only after gloo's worker released its
+compress hooks).
+
+Hybrid sharding (a ``replicate`` group: the ranks owning the same buckets in the other shard
+groups): the buffer is scaled by ``1 / (world_size x replicas)`` and, once a group's
+collective completed, the owner all-reduces its bucket's sum (flags included) across the
+replicate group, in the buckets, as backward goes on: across nodes each rank sends only
+the ``1/S`` of the gradients it owns. The results of the bucket are taken after that
+all-reduce completed; groups complete in launch order, so every replica issues the same
+all-reduces in the same order. No host read: the completion is polled, as the
+shard-group collectives are. On gloo every collective returns only after gloo's worker released its
 tensors (:func:`oss_plus._dist.await_release`: a reference dropped later could abort the
 process at exit, docs/reliability.md).
 """
@@ -81,6 +90,8 @@ class Buckets:
         collective: ``"reduce"`` or ``"reduce_scatter"``.
         flags: every bucket carries its members' "had a gradient" flags after its
             gradients (see "Used flags" in the module doc).
+        replicate: hybrid sharding: the ranks owning the same buckets in the other shard
+            groups (None: no replicas).
 
     .. warning:: Collective: every rank of ``group`` must fill the same buckets.
     """
@@ -93,9 +104,12 @@ class Buckets:
         wire: torch.dtype | None,
         collective: str,
         flags: bool = False,
+        replicate: Any = None,
     ) -> None:
-        self.plan, self.group = plan, group
+        self.plan, self.group, self.replicate = plan, group, replicate
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        replicas = 1 if replicate is None else dist.get_world_size(replicate)
+        self._divisor = self.world_size * replicas  # every rank's share of the average
         buckets = plan.buckets
         self.members = [[params[i] for i in b.members] for b in buckets]
         self.owned = [b.owner == self.rank for b in buckets]
@@ -199,6 +213,8 @@ class Buckets:
         self.flag_sums: dict[int, torch.Tensor] = {}
         self._needed: set[int] = set()
         self._works: deque[tuple[int, Any, torch.Tensor | None, list[Any]]] = deque()
+        #: Hybrid: the all-reduces across the replicas in flight, in launch order.
+        self._replicas: deque[tuple[int, Any, torch.Tensor | None, list[Any]]] = deque()
         #: Owned transient buckets whose sums arrived: (bucket, views shaped like members).
         self.results: list[tuple[int, list[torch.Tensor]]] = []
 
@@ -292,9 +308,9 @@ class Buckets:
             flat = target = buffer
             out = None
         if self._compressed[first]:
-            flat.div_(self.world_size)
+            flat.div_(self._divisor)
         else:
-            flat.mul_(1.0 / self.world_size)
+            flat.mul_(1.0 / self._divisor)
         given = [flat] if target is flat else [flat, target]
         counts = _dist.use_counts(given)
         with label("oss_plus::sdp::reduce_bucket"):
@@ -306,6 +322,8 @@ class Buckets:
         del work  # held by the queue only: its completion waits for the release
         while self._works and self._works[0][1].is_completed():
             self.complete_oldest()  # release finished transient buffers early
+        while self._replicas and self._replicas[0][1].is_completed():
+            self._complete_replica()
 
     def _mine(self, g: int) -> int | None:
         for b in self.groups[g].buckets:
@@ -329,11 +347,43 @@ class Buckets:
     # ----------------------------------------------------------------- completion
     def complete_oldest(self) -> None:
         """Wait for the oldest collective (and gloo's release of its tensors); release its
-        transient buffers; queue the results of owned transient buckets."""
+        transient buffers; queue the results of owned transient buckets. Hybrid: launch the
+        owned bucket's all-reduce across the replicas first (the rest when it completes)."""
         g, work, out, (given, counts) = self._works.popleft()
         work.wait()
         del work  # the work object holds the tensors too
         _dist.await_release(given, counts, self.group)
+        sums = self._owned_sums(g, out) if self.replicate is not None else None
+        if sums is None:
+            self._complete_group(g, out)
+            return
+        uses = _dist.use_counts([sums])
+        with label("oss_plus::sdp::replicate_bucket"):
+            work = dist.all_reduce(sums, group=self.replicate, async_op=True)
+        self._replicas.append((g, work, out, [[sums], uses]))
+        del work
+
+    def _owned_sums(self, g: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Where this rank's bucket of group ``g`` holds its sum (flags too), or None."""
+        mine = self._mine(g)
+        if mine is None:
+            return None
+        size = self._sizes[mine]
+        if out is not None:  # reduce_scatter into a transient output
+            return out[:size]
+        flat = self.flats[mine] if self.flats[mine] is not None else self._buffers[mine]
+        assert flat is not None
+        return flat[:size]
+
+    def _complete_replica(self) -> None:
+        """Wait for the oldest all-reduce across the replicas; complete its group."""
+        g, work, out, (given, counts) = self._replicas.popleft()
+        work.wait()
+        del work
+        _dist.await_release(given, counts, self.replicate)
+        self._complete_group(g, out)
+
+    def _complete_group(self, g: int, out: torch.Tensor | None) -> None:
         for b in self.groups[g].buckets:
             staged, numel = self.open[b], self.plan.buckets[b].numel
             if b in self._needed:  # the summed flags, where the sum landed
@@ -357,3 +407,5 @@ class Buckets:
         """Wait for every collective in flight."""
         while self._works:
             self.complete_oldest()
+        while self._replicas:
+            self._complete_replica()

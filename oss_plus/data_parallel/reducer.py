@@ -96,6 +96,8 @@ class GradReducer:
         give_piece: receives ``(param index, gradient of this rank's piece or None)`` for a
             param of a flat key cut by a range boundary that this rank holds a piece of
             (its ``.grad`` is dropped on every rank: a holder keeps only its range).
+        replicate: hybrid sharding: the owner's reduced buckets are all-reduced across
+            this group (:class:`~oss_plus.data_parallel.buckets.Buckets`).
 
     .. warning:: Collective: every rank of ``group`` must run the same backward passes.
     """
@@ -112,6 +114,7 @@ class GradReducer:
         record: bool = False,
         find_unused: bool = True,
         give_piece: Callable[[int, torch.Tensor | None], None] | None = None,
+        replicate: Any = None,
     ) -> None:
         self.params = list(params)
         self.plan = plan
@@ -119,7 +122,7 @@ class GradReducer:
         self.collective = collective
         self.find_unused = find_unused
         self._give_piece = give_piece
-        self.buckets = Buckets(self.params, plan, group, wire, collective, find_unused)
+        self.buckets = Buckets(self.params, plan, group, wire, collective, find_unused, replicate)
         self._places: list[list[tuple[int, int]]] = [[] for _ in self.params]
         for b, bucket in enumerate(plan.buckets):
             for slot, index in enumerate(bucket.members):

@@ -56,7 +56,8 @@ class ShardedDataParallel(nn.Module):
         module: the model, on its final device, identical on every rank.
         sharded_optimizer: an :class:`oss_plus.OSS` (or ``oss_plus.compat.fairscale.OSS``),
             or a list of them over disjoint params; they define who owns each gradient.
-        process_group: the ranks to reduce over (default WORLD); must be the optimizers'.
+        process_group: the ranks to reduce over (default: WORLD, or the optimizer's group
+            under hybrid sharding); must be the optimizers'.
         broadcast_buffers: broadcast the module's buffers from rank 0 at every forward, as
             DDP does.
         sync_models_at_startup: broadcast params and buffers from rank 0 now.
@@ -82,6 +83,10 @@ class ShardedDataParallel(nn.Module):
             fairscale's ``ShardedDataParallel`` gives it (a param used on some ranks only is
             averaged correctly either way; DDP with False raises in that case). Choose False
             when every param gets a gradient at every backward, or when zeros are fine.
+        replicate_group: keyword-only, hybrid sharding (default: the optimizers'
+            ``replicate_group``): each bucket is reduced to its owner within
+            ``process_group``, then the owner all-reduces it across this group, during
+            backward (``docs/hybrid.md``). Must be the optimizers'.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
@@ -114,14 +119,21 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: torch.dtype | None = None,
         collective: str = "auto",
         find_unused_parameters: bool = True,
+        replicate_group: Any = None,
     ) -> None:
         super().__init__()
         self.module = module
+        process_group, replicate_group = _validate.default_groups(
+            sharded_optimizer, process_group, replicate_group
+        )
         self.process_group = _dist.resolve_group(process_group)
+        #: Hybrid sharding: the ranks owning the same gradients in the other shard groups.
+        self.replicate_group = replicate_group
         self._optimizers: list[OSS] = []
         error: Exception | None = None
         try:
             self._optimizers = _validate.check_optimizers(sharded_optimizer, self.process_group)
+            _validate.check_replicas(self._optimizers, replicate_group)
             self._wire = resolve_wire(reduce_fp16, reduce_dtype)
             self.collective = pick_collective(collective, self.process_group)
             types = sorted({p.device.type for p in module.parameters()})
@@ -162,6 +174,7 @@ class ShardedDataParallel(nn.Module):
             self._wire,
             self.collective,
             find_unused_parameters,
+            replicate_group,
         )
         self._watch = Watch(module, self._optimizers)
         self._reducer: GradReducer | None = None
@@ -297,14 +310,17 @@ class ShardedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------- internals
     def _broadcast(self, tensors: list[torch.Tensor], blocking: bool = True) -> None:
-        src = _dist.global_rank(self.process_group, 0)
-        with torch.no_grad():
-            works = [
-                dist.broadcast(t, src=src, group=self.process_group, async_op=True) for t in tensors
-            ]
-        if blocking or dist.get_backend(self.process_group) != dist.Backend.NCCL:
-            for work in works:
-                work.wait()
+        """From rank 0 of the shard group, then (hybrid) from the first shard group."""
+        for group in (self.process_group, self.replicate_group):
+            if group is None:
+                continue
+            src = _dist.global_rank(group, 0)
+            with torch.no_grad():
+                works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
+            second = group is self.process_group and self.replicate_group is not None
+            if blocking or second or dist.get_backend(group) != dist.Backend.NCCL:
+                for work in works:
+                    work.wait()
 
     def _check_devices(self) -> None:
         for (name, param), before in zip(self.module.named_parameters(), self._devices):
@@ -354,9 +370,9 @@ class ShardedDataParallel(nn.Module):
         order = torch.full((count,), -1, dtype=torch.int64)
         order[: len(observed)] = torch.tensor(observed, dtype=torch.int64)
         order = order.to(_dist.comm_device(self.process_group))
-        dist.broadcast(
-            order, src=_dist.global_rank(self.process_group, 0), group=self.process_group
-        )
+        for group in (self.process_group, self.replicate_group):  # every replica alike
+            if group is not None:
+                dist.broadcast(order, src=_dist.global_rank(group, 0), group=group)
         agreed = [i for i in order.tolist() if i >= 0]
         self._reducer.observed = None
         plan = plan_for(self.module, self._optimizers, self.reduce_buffer_size, agreed)[1]

@@ -102,9 +102,11 @@ class Settings:
         wire: torch.dtype | None,
         collective: str,
         find_unused: bool,
+        replicate: Any = None,
     ) -> None:
         self.group, self.bucket_numel, self.wire = group, bucket_numel, wire
         self.collective, self.find_unused = collective, find_unused
+        self.replicate = replicate
 
 
 def plan_for(
@@ -153,6 +155,7 @@ def build_reducer(
         order is None,
         settings.find_unused,
         _piece_receiver(optimizers, trainable),
+        settings.replicate,
     )
     for optimizer in optimizers:  # inside the step: a raise reaches every rank
         if optimizer.plan.split:
