@@ -180,3 +180,48 @@ def test_mismatched_replicate_groups_raise_on_every_rank(pool):
         for kind, message in (wrong, missing):
             assert kind == "ValueError" and "replicate_group" in message, message
     assert "replicate_group" in OTHER_REPLICAS
+
+
+# ------------------------------------------------------------------ scaler and clip
+def scaler_task(ctx):
+    """ShardedGradScaler + clip_grad_norm under hybrid ZeRO-2 against DDP + GradScaler +
+    torch's clip; an overflow in global rank 3's backward at step 1 (reduced into every
+    replica's sums: a skipped step everywhere)."""
+    from oss_plus import ShardedGradScaler
+
+    sdp, opt, ddp, plain = build(ctx, "fairscale")
+    scalers = [
+        ShardedGradScaler("cpu", init_scale=2.0**12),
+        torch.amp.GradScaler("cpu", init_scale=2.0**12),
+    ]
+    out = []
+    for step in range(3):
+        row = []
+        for (net, o), scaler in zip(((sdp, opt), (ddp, plain)), scalers):
+            o.zero_grad()
+            loss = net(batch(step, ctx.rank)).pow(2).mean()
+            if step == 1 and ctx.global_rank == 3:  # an overflow in one rank's backward
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(o)
+            norm = (
+                o.clip_grad_norm(0.05)
+                if o is opt
+                else torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            )
+            scaler.step(o)
+            scaler.update()
+            row.append((float(norm), scaler.get_scale()))
+        out.append(row)
+    diff = max(float((a - b).abs().max()) for a, b in zip(flat(sdp.module), flat(ddp.module)))
+    return out, diff, same_everywhere(ctx, flat(sdp.module))
+
+
+def test_hybrid_zero2_scaler_and_clip_match_ddp(pool):
+    for rows, diff, replicas in pool.run(scaler_task, world_size=4):
+        for step, ((norm, scale), (ref_norm, ref_scale)) in enumerate(rows):
+            assert scale == ref_scale  # the same steps skipped (step 1, on every rank)
+            if step != 1:
+                assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > 0.05
+        assert rows[1][0][1] == 2.0**11  # backed off
+        assert diff < 1e-5 and replicas
