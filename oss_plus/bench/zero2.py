@@ -49,7 +49,8 @@ CONFIGS = (
 #: suffix means ``find_unused_parameters=False`` (like DDP's default, and fairscale's SDP,
 #: which sends no used flags); ``_flat``, an optimizer with ``partition_rule="flat"``. An
 #: ``_again`` suffix runs a second copy of any config (``fairscale_sdp_again``): the spread
-#: between two identical rows is the bench's own noise.
+#: between two identical rows is the bench's own noise. A ``_hybrid`` suffix shards in groups
+#: of ``world // 2`` ranks, replicated across the 2 groups (hybrid ZeRO-2, ``docs/hybrid.md``).
 EXTRA_CONFIGS = ("oss_plus_sdp_reduce", "oss_plus_sdp_reduce_scatter")
 
 
@@ -108,12 +109,12 @@ def check_config(config: str) -> None:
     name = config.removesuffix("_again")
     if name in ("ddp_oss", "fairscale_sdp"):
         return
-    base = name.replace("_no_unused", "").replace("_flat", "")
+    base = name.replace("_no_unused", "").replace("_flat", "").replace("_hybrid", "")
     if base in ("oss_plus_sdp", *EXTRA_CONFIGS):
         return
     raise ValueError(
         f"unknown config {name!r}: expected one of {CONFIGS + EXTRA_CONFIGS}, an "
-        "oss_plus_sdp config with _no_unused or _flat, or any of them with _again"
+        "oss_plus_sdp config with _no_unused, _flat or _hybrid, or any of them with _again"
     )
 
 
@@ -125,8 +126,13 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
 
         find_unused = "_no_unused" not in config
         rule = "flat" if "_flat" in config else None
-        name = config.replace("_no_unused", "").replace("_flat", "")
+        name = config.replace("_no_unused", "").replace("_flat", "").replace("_hybrid", "")
         collective = name.removeprefix("oss_plus_sdp").lstrip("_") or "auto"
+        if "_hybrid" in config:  # 2 replica sets of world // 2 shards
+            from oss_plus import hybrid_groups
+
+            groups = hybrid_groups(max(1, dist.get_world_size() // 2))
+            adam = {**adam, "group": groups.shard, "replicate_group": groups.replicate}
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, partition_rule=rule, **adam)
         sdp = ShardedDataParallel(
             model,
