@@ -225,3 +225,29 @@ def test_hybrid_zero2_scaler_and_clip_match_ddp(pool):
                 assert norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > 0.05
         assert rows[1][0][1] == 2.0**11  # backed off
         assert diff < 1e-5 and replicas
+
+
+def host_reads_task(ctx, collective):
+    from sdp_utils import HostReads
+
+    sdp, opt, _, _ = build(ctx, "fairscale", collective=collective)
+    counts = []
+    for step in range(3):  # the branch used on every rank; the `never` layer on none
+        opt.zero_grad()
+        with HostReads() as reads:
+            sdp(batch(step, ctx.rank), use_branch=True).pow(2).mean().backward()
+        counts.append(len(reads.reads))
+        opt.step()
+    with HostReads() as control:
+        torch.ones(2).sum().item()
+    return counts, len(control.reads)
+
+
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_hybrid_backward_reads_nothing_on_the_host_but_unused_flags(pool, collective):
+    """The replica all-reduces add no host read: at the third forward + backward (the second
+    adopts the recorded bucket order: one read) the only value read is the summed used
+    flags of the layer no rank uses, on its owner, as without hybrid sharding."""
+    for counts, control in pool.run(host_reads_task, collective, world_size=4):
+        assert control == 1  # the counter is not blind
+        assert counts[2] <= 1, counts
