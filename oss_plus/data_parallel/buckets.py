@@ -25,18 +25,15 @@ params). Each such bucket travels alone, with one ``dist.reduce`` to its owner.
 Groups launch strictly in plan order, each when all its buckets are full, so every rank
 issues the same collectives in the same order. At launch the buffer is scaled by
 ``1 / world_size`` (DDP's ``mul_out``; compressed: divided in the wire dtype, as DDP's
-compress hooks).
-
-Hybrid sharding (a ``replicate`` group: the ranks owning the same buckets in the other shard
-groups): the buffer is scaled by ``1 / (world_size x replicas)`` and, once a group's
-collective completed, the owner all-reduces its bucket's sum (flags included) across the
-replicate group, in the buckets, as backward goes on: across nodes each rank sends only
-the ``1/S`` of the gradients it owns. The results of the bucket are taken after that
-all-reduce completed; groups complete in launch order, so every replica issues the same
-all-reduces in the same order. No host read: the completion is polled, as the
-shard-group collectives are. On gloo every collective returns only after gloo's worker released its
+compress hooks). On gloo every collective returns only after gloo's worker released its
 tensors (:func:`oss_plus._dist.await_release`: a reference dropped later could abort the
 process at exit, docs/reliability.md).
+
+Hybrid sharding (``replicate``: the ranks owning the same buckets in the other shard
+groups): the scale is ``1 / (world_size x replicas)``; when a group's collective completed
+(polled, no host read), the owner all-reduces its bucket (flags included) across the
+replicas, and the bucket's results are taken when that completed. Groups complete in launch
+order, so every replica issues the same all-reduces in the same order.
 """
 
 from __future__ import annotations
@@ -353,27 +350,17 @@ class Buckets:
         work.wait()
         del work  # the work object holds the tensors too
         _dist.await_release(given, counts, self.group)
-        sums = self._owned_sums(g, out) if self.replicate is not None else None
-        if sums is None:
+        mine = self._mine(g) if self.replicate is not None else None
+        if mine is None:
             self._complete_group(g, out)
             return
+        # the sum (flags too): a transient reduce_scatter output, else the bucket's storage
+        sums = (out if out is not None else self._storage(mine))[: self._sizes[mine]]
         uses = _dist.use_counts([sums])
         with label("oss_plus::sdp::replicate_bucket"):
             work = dist.all_reduce(sums, group=self.replicate, async_op=True)
         self._replicas.append((g, work, out, [[sums], uses]))
         del work
-
-    def _owned_sums(self, g: int, out: torch.Tensor | None) -> torch.Tensor | None:
-        """Where this rank's bucket of group ``g`` holds its sum (flags too), or None."""
-        mine = self._mine(g)
-        if mine is None:
-            return None
-        size = self._sizes[mine]
-        if out is not None:  # reduce_scatter into a transient output
-            return out[:size]
-        flat = self.flats[mine] if self.flats[mine] is not None else self._buffers[mine]
-        assert flat is not None
-        return flat[:size]
 
     def _complete_replica(self) -> None:
         """Wait for the oldest all-reduce across the replicas; complete its group."""
