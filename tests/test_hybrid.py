@@ -207,3 +207,33 @@ def test_a_rank_in_no_group_is_named():
     assert _problem(rows, 4) == "rank 3 is not a member of its replicate group"
     good = [[2, 0, 0, 2, 0, 0], [2, 1, 0, 2, 0, 1], [2, 0, 2, 2, 1, 0], [2, 1, 2, 2, 1, 1]]
     assert _problem(good, 4) is None
+
+
+def failing_save_task(ctx, root):
+    import errno
+
+    ddp, opt, ddp_ref, plain = pair(ctx, "fairscale")
+    train_both(ctx, ddp, opt, ddp_ref, plain, 1)
+    save_checkpoint(opt, root)
+    before = read_state_dict(root)
+    train_both(ctx, ddp, opt, ddp_ref, plain, 1)
+    original = storage.open_writer
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    if ctx.global_rank == 1:  # a writer (replica set 0), not its group's coordinator
+        storage.open_writer = disk_full
+    try:
+        outcome = catch(save_checkpoint, opt, root)
+    finally:
+        storage.open_writer = original
+    return outcome, diff(read_state_dict(root), before)
+
+
+def test_a_failed_hybrid_save_raises_on_every_replica_set(pool, tmp_path):
+    for rank, (outcome, problem) in enumerate(
+        pool.run(failing_save_task, str(tmp_path / "c"), world_size=4)
+    ):
+        assert outcome[0] == "OSError" and "(injected)" in outcome[1], (rank, outcome)
+        assert problem is None  # the previous checkpoint is whole
