@@ -237,3 +237,46 @@ def test_a_failed_hybrid_save_raises_on_every_replica_set(pool, tmp_path):
     ):
         assert outcome[0] == "OSError" and "(injected)" in outcome[1], (rank, outcome)
         assert problem is None  # the previous checkpoint is whole
+
+
+def bf16_wire_task(ctx, rule):
+    """ZeRO-1 hybrid with the params sent as bf16, against DDP over the world and an
+    independent reference of fp32 main params: Adam steps the main params with the
+    gradients of a model holding them rounded to bf16 (as tests/test_compression.py)."""
+    shard, replicate = hybrid_groups(2)
+    torch.manual_seed(0)
+    model = WithUnused()
+    ref = copy.deepcopy(model)
+    main = [torch.nn.Parameter(p.detach().clone()) for p in ref.parameters()]
+    wrap = dict(process_group=ctx.group, find_unused_parameters=True)
+    ddp, ddp_ref = DistributedDataParallel(model, **wrap), DistributedDataParallel(ref, **wrap)
+    opt = OSS(
+        model.parameters(),
+        optim=torch.optim.Adam,
+        group=shard,
+        replicate_group=replicate,
+        partition_rule=rule,
+        broadcast_dtype=torch.bfloat16,
+        lr=0.01,
+    )
+    plain = torch.optim.Adam(main, lr=0.01)
+    same = []
+    for it in range(3):
+        for net in (ddp, ddp_ref):
+            net.zero_grad()
+            overlap_loss(net, it, ctx.rank).backward()
+        opt.step()
+        for m, p in zip(main, ref.parameters()):
+            m.grad = p.grad
+        plain.step()
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), main):
+                p.copy_(m.to(torch.bfloat16))
+        same.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())))
+    return same
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_hybrid_zero1_bf16_wire_equals_the_rounded_main_params(pool, rule):
+    for same in pool.run(bf16_wire_task, rule, world_size=4):
+        assert same == [True] * 3
