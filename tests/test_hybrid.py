@@ -180,6 +180,19 @@ def test_hybrid_groups_by_size_and_by_device_mesh(pool):
         assert tuple(mesh) == tuple(size) == expected[rank]
 
 
+def not_a_member_task(ctx):
+    shard, replicate = hybrid_groups(2)
+    pair02 = dist.new_group([0, 2])  # on every rank; ranks 1 and 3 are not in it
+    params = [torch.nn.Parameter(torch.ones(3))]
+    return catch(OSS, params, group=shard, replicate_group=pair02)
+
+
+def test_a_rank_passing_a_group_it_is_not_in_raises_on_every_rank(pool):
+    for kind, message in pool.run(not_a_member_task, world_size=4):
+        assert kind == "ValueError"
+        assert "rank 1 is not a member of its replicate group" in message
+
+
 def bad_groups_task(ctx):
     shard, replicate = hybrid_groups(2)
     pair01, pair23 = ctx.groups.get((0, 1)), ctx.groups.get((2, 3))
