@@ -25,19 +25,13 @@ import os
 import secrets
 import shutil
 import sys
-import threading
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory locks, the unlocked rules apply
-    fcntl = None  # type: ignore[assignment]
-
+from oss_plus.checkpoint import locks
 from oss_plus.checkpoint.format import (
     DATA_FILE,
     FORMAT_NAME,
@@ -59,7 +53,6 @@ __all__ = [
     "open_writer",
     "prepare_stage",
     "remove_replaced",
-    "release_stage",
     "remove_stage",
     "write_file",
 ]
@@ -233,19 +226,20 @@ def check_target(path: Path) -> None:
 def prepare_stage(path: Path, save_id: str) -> Path:
     """Check ``path``, remove stale temporary siblings, create and return the stage directory.
 
-    The stage stays locked (:func:`release_stage`) until it is committed or removed, so that
-    a concurrent save to the same path from another process group does not sweep it away.
+    The stage stays locked (:mod:`oss_plus.checkpoint.locks`) until it is committed or
+    removed, so that a concurrent save to the same path from another process group does not
+    sweep it away.
     """
     check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     stage = stage_path(path, save_id)
-    with _locked(path.parent):  # the sweep and the new stage's lock are one step
+    with locks.locked(path.parent):  # the sweep and the new stage's lock are one step
         for stale in path.parent.glob(f".{path.name}.tmp-*"):
-            if stale != stage and _stale(stale):
+            if stale != stage and locks.stale(stale):
                 logger.info("removing %s, left by an interrupted save", stale)
                 shutil.rmtree(stale, ignore_errors=True)
         stage.mkdir()
-        _hold(stage)
+        locks.hold(stage)
     return stage
 
 
@@ -253,79 +247,7 @@ def remove_stage(path: Path, save_id: str) -> None:
     """Remove the stage directory of a failed save (best effort) and release its lock."""
     stage = stage_path(path, save_id)
     shutil.rmtree(stage, ignore_errors=True)
-    release_stage(stage)
-
-
-# ----------------------------------------------------------------------------- locks
-#: Stage directories this process holds locked, with their open descriptors.
-_HELD: dict[Path, int] = {}
-_HELD_LOCK = threading.Lock()
-
-
-def _lock_fd(directory: Path, flags: int) -> int | None:
-    """Open ``directory`` and ``flock`` it; None where the filesystem cannot lock.
-
-    Raises:
-        BlockingIOError: ``flags`` has LOCK_NB and another open description holds a lock.
-    """
-    if fcntl is None:
-        return None
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, flags)
-    except BlockingIOError:
-        os.close(fd)
-        raise
-    except OSError as exc:  # e.g. ENOLCK, EOPNOTSUPP, EBADF on NFS directories
-        os.close(fd)
-        logger.warning(
-            "cannot lock %s (%s): saves from several groups are not serialised", directory, exc
-        )
-        return None
-    return fd
-
-
-@contextmanager
-def _locked(directory: Path) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on ``directory``; yields whether it is locked."""
-    fd = _lock_fd(directory, fcntl.LOCK_EX) if fcntl is not None else None
-    try:
-        yield fd is not None
-    finally:
-        if fd is not None:
-            os.close(fd)  # closing the last descriptor releases the lock
-
-
-def _hold(stage: Path) -> None:
-    """Lock ``stage`` (shared) until :func:`release_stage`: the save is in flight."""
-    fd = _lock_fd(stage, fcntl.LOCK_SH) if fcntl is not None else None
-    if fd is not None:
-        with _HELD_LOCK:
-            _HELD[stage] = fd
-
-
-def release_stage(stage: Path) -> None:
-    """Release the in-flight lock of ``stage`` (nothing if this process does not hold it)."""
-    with _HELD_LOCK:
-        fd = _HELD.pop(stage, None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _stale(stage: Path) -> bool:
-    """Whether ``stage`` belongs to no save in flight (its coordinator holds no lock on it)."""
-    if fcntl is None:
-        return True
-    try:
-        fd = _lock_fd(stage, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False  # a save in flight, perhaps of another process group
-    except OSError:
-        return False  # vanished meanwhile, or unreadable: not ours to remove
-    if fd is None:
-        return False  # cannot tell: leave it rather than break a live save
-    os.close(fd)
-    return True
+    locks.release(stage)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -360,7 +282,7 @@ def commit(stage: Path, path: Path, index: Index) -> list[str]:
         orphans of interrupted ones); without it, only the files of the replaced index.
     """
     path.mkdir(parents=True, exist_ok=True)
-    with _locked(path) as locked:
+    with locks.locked(path) as locked:
         replaced = _replaced_files(path, index, locked)
         moved = []
         try:
@@ -375,7 +297,7 @@ def commit(stage: Path, path: Path, index: Index) -> list[str]:
             raise
         _fsync_dir(path)
     shutil.rmtree(stage, ignore_errors=True)
-    release_stage(stage)
+    locks.release(stage)
     return replaced
 
 
