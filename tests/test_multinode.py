@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from oss_plus._launch import free_port
 
@@ -38,6 +39,7 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float = 300) -> str:
     return out
 
 
+@pytest.mark.timeout(600)  # 10 processes importing torch: about 2 minutes on 2 busy cores
 def test_two_node_launch_with_hybrid_groups_matches_one_node(tmp_path):
     port = free_port()
     multi, single = tmp_path / "multi.bin", tmp_path / "single.bin"
