@@ -222,7 +222,7 @@ def test_a_rank_in_no_group_is_named():
     assert _problem(good, 4) is None
 
 
-def failing_save_task(ctx, root):
+def failing_save_task(ctx, root, blocking=True):
     import errno
 
     ddp, opt, ddp_ref, plain = pair(ctx, "fairscale")
@@ -238,15 +238,19 @@ def failing_save_task(ctx, root):
     if ctx.global_rank == 1:  # a writer (replica set 0), not its group's coordinator
         storage.open_writer = disk_full
     try:
-        outcome = catch(save_checkpoint, opt, root)
+        outcome = catch(save_checkpoint, opt, root, blocking=blocking)
+        if not blocking:  # the future's exception, on every rank
+            error = outcome[1].exception(timeout=60)
+            outcome = (type(error).__name__, str(error)) if error else ("ok", None)
     finally:
         storage.open_writer = original
     return outcome, diff(read_state_dict(root), before)
 
 
-def test_a_failed_hybrid_save_raises_on_every_replica_set(pool, tmp_path):
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_failed_hybrid_save_raises_on_every_replica_set(pool, tmp_path, blocking):
     for rank, (outcome, problem) in enumerate(
-        pool.run(failing_save_task, str(tmp_path / "c"), world_size=4)
+        pool.run(failing_save_task, str(tmp_path / "c"), blocking, world_size=4)
     ):
         assert outcome[0] == "OSError" and "(injected)" in outcome[1], (rank, outcome)
         assert problem is None  # the previous checkpoint is whole

@@ -92,8 +92,8 @@ def save_checkpoint(
     waits for the one in flight. See ``docs/checkpoints.md``.
 
     Under hybrid sharding (``OSS(..., replicate_group=...)``) one replica set writes (the
-    ranks of replicate-group rank 0); the others write nothing and, blocking, return when
-    it committed (or raise what it raised). Not blocking, they return a future already done.
+    ranks of replicate-group rank 0); the others write nothing and return (blocking) or
+    complete their future (not blocking) when it committed, or raise what it raised.
 
     Args:
         optimizer: the :class:`oss_plus.OSS` optimizer.
@@ -131,26 +131,34 @@ def _save_once(
 ) -> Future[str] | None:
     """Hybrid sharding: replica set 0 (replicate-group rank 0) saves, the others write nothing.
 
-    Blocking, every rank returns (or raises, naming the failed rank) once the writers'
-    commit is done: the outcome is agreed over the replicate group. Not blocking, the
-    writers return the save's future; the other replica sets a future already done (they
-    hold no part of the save). Distributed checkpointing (DCP) is to follow the same rule:
-    only replica set 0 contributes write items, the planner deduplicating the rest.
+    Every rank returns (blocking) or its future completes (not blocking) once the writers'
+    commit is done, or raises naming the failed rank: the outcome is agreed over the
+    replicate group (not blocking: over a checkpoint group of its ranks, in the saver's
+    thread). Distributed checkpointing (DCP) is to follow the same rule: only replica set 0
+    contributes write items (:func:`oss_plus.hybrid.is_writer`).
     """
     writer = dist.get_rank(replicas) == 0
-    if not blocking:
+    if blocking:
+        error = None
         if writer:
-            return save_checkpoint_unreplicated(optimizer, path, sharded, blocking=False)
-        done: Future[str] = Future()
-        done.set_result(str(Path(os.path.abspath(path))))
-        return done
-    error = None
-    if writer:
-        _, error = _dist.capture(
-            lambda: save_checkpoint_unreplicated(optimizer, path, sharded, blocking=True)
-        )
-    _dist.agree(error, replicas)
-    return None
+            _, error = _dist.capture(
+                lambda: save_checkpoint_unreplicated(optimizer, path, sharded, blocking=True)
+            )
+        _dist.agree(error, replicas)
+        return None
+    saver = background.saver_of(optimizer)
+    saver.settle()
+    across = background.checkpoint_group(tuple(dist.get_process_group_ranks(replicas)))
+    plan = make_plan(optimizer, path, sharded, snapshot=saver.staging.copy) if writer else None
+    group = saver.group if writer else None
+
+    def job() -> None:  # the writers save; every rank learns the outcome
+        error = None
+        if plan is not None:
+            _, error = _dist.capture(lambda: execute(plan, group))
+        _dist.agree(error, across)
+
+    return saver.submit(job, Path(os.path.abspath(path)))
 
 
 def save_checkpoint_unreplicated(
