@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import catch, clone_model, make_model, params_equal, train
 
+pytestmark = pytest.mark.integration  # tox -e integration runs it; skipped without mmengine
 pytest.importorskip("mmengine", reason="pip install mmengine (the integration extra)")
 
 
