@@ -176,11 +176,9 @@ class ShardedDataParallel(nn.Module):
         """The sharded optimizers that decide who owns each gradient."""
         return list(self._optimizers)
 
-    # Under torch.compile of the wrapper (or of a model holding it), this frame is not traced
-    # and nor is _pre_forward: dynamo compiles the wrapped module's frames only, as it does
-    # under DDP (whose forward is in a file dynamo skips). The wrapper's Python (partition
-    # checks, bookkeeping, buffer broadcasts) runs eagerly and causes no graph break in
-    # oss_plus's code; see docs/compile.md. About 2.5 us per forward without compile.
+    # Not traced by torch.compile (nor _pre_forward): dynamo compiles the module only, as under
+    # DDP, and breaks no graph in oss_plus (docs/compile.md). The first call imports
+    # torch._dynamo, as the first step of any torch.optim optimizer does anyway.
     @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward that follows reduces each gradient to its owner.
