@@ -137,3 +137,49 @@ PATCHED = textwrap.dedent(
 def test_install_with_fairscale_replaces_data_parallel_only_when_asked():
     pytest.importorskip("fairscale")
     _run_ok(PATCHED)
+
+
+TORCH_INSTALL = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    import torch.distributed.optim as tdo
+    import torch.distributed.optim.zero_redundancy_optimizer as tzero
+    real = tdo.ZeroRedundancyOptimizer
+    import oss_plus.compat.torch as compat
+    assert tdo.ZeroRedundancyOptimizer is real  # importing the adapter changes nothing
+    assert compat.install() is True and compat.install() is False and compat.is_installed()
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Z
+    assert Z is tzero.ZeroRedundancyOptimizer is compat.ZeroRedundancyOptimizer
+    # code imported after install() (as mmengine subclasses torch's class at import)
+    namespace = {{}}
+    later = "import torch.distributed.optim as o\\nclass Sub(o.ZeroRedundancyOptimizer): pass"
+    exec(later, namespace)
+    assert issubclass(namespace["Sub"], compat.ZeroRedundancyOptimizer)
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    opt = namespace["Sub"](model.parameters(), "SGD", lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.ones(3, 4) * step).pow(2).sum().backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    dist.destroy_process_group()
+
+    compat.uninstall()
+    assert not compat.is_installed()
+    assert tdo.ZeroRedundancyOptimizer is tzero.ZeroRedundancyOptimizer is real
+    print("OK")
+    """
+)
+
+
+def test_torch_install_makes_torchs_name_resolve_to_the_adapter_until_uninstall():
+    """compat.torch.install(): both of torch's import paths, and a subclass defined after it
+    (as mmengine defines its own), give the adapter, which trains as the plain optimizer it
+    names; uninstall() gives torch's class back."""
+    _run_ok(TORCH_INSTALL.format(port=free_port()))

@@ -69,6 +69,37 @@ def test_bad_params_on_one_rank_raise_on_every_rank(pool):
     assert PARAMS_EMPTY in results[0][1] and PARAMS_EMPTY in results[2][1]
 
 
+def named_class_task(ctx, name, other):
+    """Train with ``optimizer_class`` given as a name (``other`` on rank 1) against the
+    plain torch.optim class named."""
+    torch.manual_seed(0)
+    model = make_model()
+    ref = clone_model(model)
+    given = other if ctx.rank == 1 else name
+    made = catch(ZeroRedundancyOptimizer, model.parameters(), given, ctx.group, lr=0.01)
+    if made[0] != "ok":
+        return made
+    opt = made[1]
+    ref_opt = getattr(torch.optim, name)(ref.parameters(), lr=0.01)
+    train(model, opt, 3)
+    train(ref, ref_opt, 3)
+    return (type(opt.optim).__name__, params_equal(model, ref))
+
+
+def test_optimizer_class_may_be_a_torch_optim_name(pool):
+    """What config files pass (mmengine's ``optimizer_type='AdamW'``): trains exactly as the
+    class named."""
+    for result in pool.run(named_class_task, "AdamW", "AdamW", world_size=2):
+        assert result == ("AdamW", True)
+
+
+def test_an_unknown_optimizer_name_raises_on_every_rank_naming_the_accepted_ones(pool):
+    for result in pool.run(named_class_task, "AdamW", "Adamw", world_size=2, timeout=30):
+        assert result[0] == "ValueError", result
+        assert "'Adamw' is not a torch.optim optimizer" in result[1], result
+        assert "'AdamW'" in result[1] and "'SGD'" in result[1]  # the accepted names
+
+
 # ------------------------------------------------------------------ training and layout
 def parity_task(ctx, bucket_view):
     model = make_model()

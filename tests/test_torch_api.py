@@ -36,6 +36,7 @@ PRIVATE = {
     "Module._parameters": "oss_plus/data_parallel/sharded_ddp.py",
     "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
     "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
+    "torch._disable_dynamo": "oss_plus/data_parallel/sharded_ddp.py",
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
@@ -255,3 +256,32 @@ def test_the_address_check_sees_a_replaced_data_with_either_loop(monkeypatch, lo
     assert kept.intact()
     params[1].data = torch.zeros(4)  # re-allocated, the old storage still alive in base
     assert not kept.intact()
+
+
+def test_disable_dynamo_skips_the_frame_and_with_recursive_false_only_that_frame():
+    """What ShardedDataParallel's forward relies on under torch.compile: its own frame (and,
+    recursively, its pre-forward work) runs eagerly, while a frame it calls is compiled."""
+    seen: dict[str, bool] = {}
+
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        seen["inner"] = torch.compiler.is_compiling()
+        return x * 2
+
+    @torch._disable_dynamo
+    def skipped() -> None:
+        seen["skipped"] = torch.compiler.is_compiling()
+        inner(torch.ones(1))
+
+    @torch._disable_dynamo(recursive=False)
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        seen["outer"] = torch.compiler.is_compiling()
+        skipped()
+        return inner(x)
+
+    try:
+        assert torch.equal(
+            torch.compile(outer, backend="eager")(torch.ones(2)), torch.full((2,), 2.0)
+        )
+        assert seen == {"outer": False, "skipped": False, "inner": True}
+    finally:
+        torch._dynamo.reset()

@@ -25,6 +25,9 @@ __all__ = [
     "flatten",
     "overlap_optimizer_class",
     "params_as_list",
+    "UNKNOWN_OPTIMIZER_NAME",
+    "optimizer_names",
+    "resolve_optimizer_class",
 ]
 
 
@@ -106,6 +109,49 @@ def check_dense(flat: list[Any]) -> None:
             raise ValueError(
                 NOT_DENSE.format(index=index, what=f"on {p.device.type}, param 0 on {device_type}")
             )
+
+
+#: Raised for an ``optimizer_class`` string that names no ``torch.optim`` optimizer.
+UNKNOWN_OPTIMIZER_NAME = (
+    "optimizer_class {name!r} is not a torch.optim optimizer: expected one of {names}, or "
+    "an optimizer class itself"
+)
+
+
+def optimizer_names() -> list[str]:
+    """The ``torch.optim`` optimizer classes an ``optimizer_class`` string may name.
+
+    Example:
+        >>> {"Adam", "AdamW", "SGD"} <= set(optimizer_names())
+        True
+    """
+    names = []
+    for name in dir(torch.optim):
+        value = getattr(torch.optim, name)
+        optimizer = isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
+        if optimizer and value is not torch.optim.Optimizer:
+            names.append(name)
+    return sorted(names)
+
+
+def resolve_optimizer_class(optimizer_class: Any) -> Any:
+    """A ``torch.optim`` class name (``"AdamW"``, as config files write it) -> the class;
+    anything else is returned as given.
+
+    Raises:
+        ValueError: a string that names no ``torch.optim`` optimizer
+            (:data:`UNKNOWN_OPTIMIZER_NAME`, listing the accepted names).
+
+    Example:
+        >>> resolve_optimizer_class("AdamW") is torch.optim.AdamW
+        True
+    """
+    if not isinstance(optimizer_class, str):
+        return optimizer_class
+    names = optimizer_names()
+    if optimizer_class not in names:
+        raise ValueError(UNKNOWN_OPTIMIZER_NAME.format(name=optimizer_class, names=names))
+    return getattr(torch.optim, optimizer_class)
 
 
 def check_optimizer_class(optimizer_class: Any) -> None:

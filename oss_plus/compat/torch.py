@@ -8,7 +8,8 @@ weigh their size), both sync layouts (per-param broadcasts, or flat bucket views
 local optimizer), ``_all_params``, and :class:`~torch.distributed.algorithms.join.Joinable`
 support for uneven inputs. In fp32 the parameters are bit-identical to torch ZeRO's.
 It is not a subclass or wrapper of torch's class. ``docs/migration.md`` lists the
-differences (bug fixes).
+differences (bug fixes). :func:`install` makes ``torch.distributed.optim.ZeroRedundancyOptimizer``
+resolve to it for code imported afterwards.
 
 Example:
     >>> from oss_plus.compat.torch import ZeroRedundancyOptimizer  # doctest: +SKIP
@@ -27,6 +28,7 @@ from torch.optim import Optimizer
 
 from oss_plus import _dist, _params
 from oss_plus.compat._base import CompatOSS
+from oss_plus.compat._torch_install import install, is_installed, uninstall
 from oss_plus.compat._torch_params import (  # noqa: F401 - the messages are public here too
     FUNCTIONAL_OPTIMIZER,
     GROUP_PARAMS_SET,
@@ -42,6 +44,7 @@ from oss_plus.compat._torch_params import (  # noqa: F401 - the messages are pub
     flatten,
     overlap_optimizer_class,
     params_as_list,
+    resolve_optimizer_class,
 )
 from oss_plus.compat.ddp_zero_hook import (
     OverlapPlan,
@@ -51,7 +54,14 @@ from oss_plus.compat.ddp_zero_hook import (
 from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPolicy
 
-__all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = [
+    "ZeroRedundancyOptimizer",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+    "install",
+    "is_installed",
+    "uninstall",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +108,8 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
 
     Args:
         params: tensors or param-group dicts (not ``named_parameters()`` pairs, as torch).
-        optimizer_class: the local optimizer class (e.g. ``torch.optim.Adam``).
+        optimizer_class: the local optimizer class (e.g. ``torch.optim.Adam``), or the name
+            of a ``torch.optim`` class (``"AdamW"``), as config files write it.
         process_group: the group to shard over (default: WORLD).
         parameters_as_bucket_view: pack each rank's trainable params into one flat buffer
             and make ``param.data`` views into it (one broadcast per rank instead of one
@@ -115,7 +126,8 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
 
     Raises:
         TypeError: ``params`` is a tensor, not iterable, or mixes tensors and dicts.
-        ValueError: empty params, a group without ``params``, a non-tensor, sparse or
+        ValueError: an ``optimizer_class`` string that names no ``torch.optim`` optimizer,
+            empty params, a group without ``params``, a non-tensor, sparse or
             other-device-type param, a functional optimizer without ``overlap_with_ddp``,
             or ranks holding different models (raised on every rank).
         RuntimeError: ``overlap_with_ddp=True`` with several param groups (torch raises it
@@ -133,7 +145,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
     def __init__(
         self,
         params: Any,
-        optimizer_class: type[Optimizer],
+        optimizer_class: type[Optimizer] | str,
         process_group: Any | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
@@ -144,15 +156,17 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         self._overlap_with_ddp = overlap_with_ddp
         self._overlap: OverlapPlan | None = None
         self.parameters_as_bucket_view = parameters_as_bucket_view
+        local_class: Any = optimizer_class
         try:
+            local_class = resolve_optimizer_class(optimizer_class)
             params, flat = flatten(params_as_list(params))
             check_dense(flat)
             if overlap_with_ddp:
-                optimizer_class = overlap_optimizer_class(optimizer_class)
+                local_class = overlap_optimizer_class(local_class)
                 if isinstance(params[0], dict) and len(params) > 1:
                     raise RuntimeError(OVERLAP_ONE_GROUP)
             else:
-                check_optimizer_class(optimizer_class)
+                check_optimizer_class(local_class)
         except (TypeError, ValueError, RuntimeError) as error:
             self._raise_on_every_rank(error, process_group)
         if overlap_with_ddp and parameters_as_bucket_view:
@@ -163,7 +177,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         policy = ShardPolicy(rule=Rule.TORCH, layout=layout, aligned=False, single_rank_layout=True)
         super().__init__(
             params,
-            optimizer_class,
+            local_class,
             process_group,
             shard_policy=policy,
             collective_state_dict=collective_state_dict,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -188,6 +189,10 @@ class ShardedDataParallel(nn.Module):
         """The sharded optimizers that decide who owns each gradient."""
         return list(self._optimizers)
 
+    # Not traced by torch.compile (nor _pre_forward): dynamo compiles the module only, as under
+    # DDP, and breaks no graph in oss_plus (docs/compile.md). The first call imports
+    # torch._dynamo, as the first step of any torch.optim optimizer does anyway.
+    @torch._disable_dynamo(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; the backward that follows reduces each gradient to its owner.
 
@@ -203,7 +208,19 @@ class ShardedDataParallel(nn.Module):
 
         .. warning:: Collective: call on every rank of ``process_group``.
         """
-        with label("oss_plus::sdp::forward"):
+        scope = self._pre_forward()
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            scope.__exit__(None, None, None)
+
+    @torch._disable_dynamo  # recursive: none of this is traced (see forward)
+    def _pre_forward(self) -> AbstractContextManager[Any]:
+        """The wrapper's work before the module runs; returns the forward's profiler range,
+        entered (the caller exits it after the module ran)."""
+        scope = label("oss_plus::sdp::forward")
+        scope.__enter__()
+        try:
             self._refresh_if_changed()
             assert self._reducer is not None
             if self._refuse_at_forward or self._reducer.graph_grad:
@@ -216,7 +233,10 @@ class ShardedDataParallel(nn.Module):
                 self._reducer.start_pass(reduce=not self._accumulate)
             else:
                 self._reducer.quiet()
-            return self.module(*inputs, **kwargs)
+        except BaseException:
+            scope.__exit__(None, None, None)
+            raise
+        return scope
 
     @property
     def require_backward_grad_sync(self) -> bool:

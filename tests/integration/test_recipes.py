@@ -41,3 +41,11 @@ def test_lightning_1_9_ddp_sharded_through_install(run_recipe):
             f"needs pytorch-lightning 1.9, found {pl.__version__}: tox -e integration-lightning19"
         )
     run_recipe("lightning_1_9")
+
+
+def test_mmengine_runner_with_the_optimizer_and_hook_named_in_its_config(run_recipe):
+    """mmengine saves from rank 0 only: OssConsolidateHook consolidates on every rank first.
+    The resume needs TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD on torch >= 2.6 whatever the
+    optimizer (mmengine 0.10.7's own pickled checkpoints; the recipe sets it)."""
+    pytest.importorskip("mmengine", reason="pip install mmengine (the integration extra)")
+    run_recipe("mmengine_recipe")
