@@ -37,13 +37,14 @@ from oss_plus.model_specs import (
     specs_from_shapes,
 )
 from oss_plus.partition import ParamSpec, Rule
-from oss_plus.plan import ShardPolicy, make_plan
+from oss_plus.scale_report import FLAT_ALIGN, ScaleRow, Topology, rank_loads, scale_rows
 
 __all__ = [
     "FLAT_ALIGN",
     "MODELS",
     "BalanceRow",
     "balance_rows",
+    "default_shard_sizes",
     "gpt2_shapes",
     "llama_shapes",
     "model_specs",
@@ -54,10 +55,6 @@ __all__ = [
     "specs_from_shapes",
 ]
 
-#: Element alignment of the flat rule's offsets in the report: fp32 on the CPU (64 bytes).
-FLAT_ALIGN = 16
-#: The one flat-buffer key of the report's specs (every param in one buffer).
-FLAT_KEY = "cpu/torch.float32"
 #: Raised when no parameter would carry optimizer state.
 NO_TRAINABLE = "the model has no trainable parameters: nothing to partition"
 
@@ -104,7 +101,7 @@ def balance_rows(
         world_sizes: the numbers of ranks N to plan for.
         rules: :class:`~oss_plus.partition.Rule` s or their values.
         align: under the flat rule every spec gets this ``align`` and the one key
-            :data:`FLAT_KEY` (the report puts every parameter in one buffer).
+            :data:`oss_plus.scale_report.FLAT_KEY` (every parameter in one buffer).
 
     Returns:
         One row per (rule, world size), rules outermost, in the given orders.
@@ -115,15 +112,13 @@ def balance_rows(
     total = sum(s.numel for s in specs if s.trainable)
     if total == 0:
         raise ValueError(NO_TRAINABLE)
-    flat = [dataclasses.replace(s, key=FLAT_KEY, align=align) for s in specs]
     rows = []
     world_sizes = list(world_sizes)
     for rule in map(Rule, rules):
         for n in world_sizes:
             if n < 1:
                 raise ValueError(f"world sizes must be >= 1, got {n}")
-            groups = [flat if rule is Rule.FLAT else list(specs)]
-            loads = make_plan(groups, n, ShardPolicy(rule=rule)).rank_loads()
+            loads = rank_loads(specs, n, rule, align)
             rows.append(BalanceRow(rule.value, n, max(loads), total / n, loads.count(0)))
     return rows
 
@@ -181,7 +176,30 @@ def register(subparsers: Any) -> None:
         help=f"element alignment of the flat rule (default {FLAT_ALIGN}: fp32, 64 bytes)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    scale = parser.add_argument_group(
+        "topology", "with --nodes and --per-node: memory and bytes per step of every stage"
+    )
+    scale.add_argument("--nodes", type=_one_int, metavar="N", help="nodes")
+    scale.add_argument("--per-node", type=_one_int, metavar="G", help="ranks per node")
+    scale.add_argument(
+        "--shard-sizes",
+        type=_positive_ints,
+        metavar="S,S,...",
+        help="hybrid shard sizes (default: every power of two from 2 that divides N x G, "
+        "below N x G, and G)",
+    )
+    scale.add_argument(
+        "--bytes", type=_one_int, default=4, help="bytes per parameter, gradient, wire element"
+    )
+    scale.add_argument(
+        "--state-bytes", type=_one_int, default=8, help="optimizer state per element (Adam: 8)"
+    )
+    scale.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.set_defaults(func=_plan)
+
+
+def _one_int(text: str) -> int:
+    return _positive_ints(text)[0]
 
 
 def _source_specs(args: argparse.Namespace) -> tuple[str, list[ParamSpec]]:
@@ -194,6 +212,8 @@ def _source_specs(args: argparse.Namespace) -> tuple[str, list[ParamSpec]]:
 
 def _plan(args: argparse.Namespace) -> int:
     name, specs = _source_specs(args)
+    if args.nodes is not None or args.per_node is not None:
+        return _scale(args, name, specs)
     rows = balance_rows(specs, args.world_sizes, args.rules, args.align)
     total = sum(s.numel for s in specs)
     trainable = sum(s.numel for s in specs if s.trainable)
@@ -207,8 +227,58 @@ def _plan(args: argparse.Namespace) -> int:
     for r in rows:
         cells = [f"{r.ideal:,.0f}", f"{r.max_load:,}", f"{r.ratio:.3f}", str(r.empty)]
         table.append([r.rule, str(r.world_size), *cells])
+    _print_table(table, left=1)
+    return 0
+
+
+def _print_table(table: list[list[str]], left: int) -> None:
+    """Print ``table`` with its first ``left`` columns left-aligned, the others right."""
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     for row in table:
-        line = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        line = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         print("  ".join(line), file=sys.stdout)
+
+
+def default_shard_sizes(topology: Topology) -> list[int]:
+    """Every power of two from 2 that divides the world and is below it, and the node size.
+
+    Example:
+        >>> default_shard_sizes(Topology(8, 8))
+        [2, 4, 8, 16, 32]
+    """
+    world = topology.world
+    sizes = {2**k for k in range(1, world.bit_length()) if world % 2**k == 0 and 2**k < world}
+    sizes |= {topology.per_node} if topology.per_node < world else set()
+    return sorted(sizes)
+
+
+def _scale(args: argparse.Namespace, name: str, specs: list[ParamSpec]) -> int:
+    if args.nodes is None or args.per_node is None:
+        raise ValueError(
+            "--nodes and --per-node go together: give both (e.g. --nodes 8 --per-node 8)"
+        )
+    topology = Topology(args.nodes, args.per_node)
+    sizes = args.shard_sizes or default_shard_sizes(topology)
+    rows = scale_rows(
+        specs, topology, args.rules, sizes, args.bytes, args.state_bytes, args.backend, args.align
+    )
+    if args.json:
+        report = {"source": name, "nodes": args.nodes, "per_node": args.per_node}
+        report |= {"bytes": args.bytes, "state_bytes": args.state_bytes, "backend": args.backend}
+        print(json.dumps({**report, "rows": [r.as_dict() for r in rows]}, indent=2))
+        return 0
+    trainable = sum(s.numel for s in specs if s.trainable)
+    print(
+        f"{name}: {trainable:,} trainable elements, {args.nodes} nodes x {args.per_node} ranks, "
+        f"{args.bytes} B per param/grad/wire element, {args.state_bytes} B of state, "
+        f"{args.backend}; GB = 1e9 bytes per rank (held) and per rank and step (sent)"
+    )
+    table = [["stage", "rule", "S", "params", "grads", "state", "intra-node", "inter-node"]]
+    table += [_scale_cells(r) for r in rows]
+    _print_table(table, left=2)
     return 0
+
+
+def _scale_cells(r: ScaleRow) -> list[str]:
+    sizes = (r.params, r.grads, r.state, r.intra, r.inter)
+    return [r.stage, r.rule, str(r.shard), *(f"{b / 1e9:,.2f}" for b in sizes)]
