@@ -128,12 +128,14 @@ class _Launched:
             setattr(dist, name, fn)
 
 
-def count_task(ctx, width, layers, act, collective, cap_mb):
+def count_task(ctx, width, layers, act, collective, cap_mb, rule="fairscale"):
     x = torch.randn(2, width, generator=torch.Generator().manual_seed(ctx.rank))
     model = _wide(width, layers, act)
     ddp = _ddp_collectives(copy.deepcopy(model), ctx, x, cap_mb)
     kwargs = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
-    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    opt = OSS(
+        model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1, partition_rule=rule
+    )
     sdp = ShardedDataParallel(model, opt, ctx.group, collective=collective, **kwargs)
     sdp(x).pow(2).mean().backward()  # the first backward records the order
     sdp.zero_grad()
@@ -147,12 +149,17 @@ def _total(calls: dict[str, int]) -> int:
     return sum(calls.values())
 
 
-@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
-def test_wide_model_launches_no_more_than_ddp(pool, collective):
+@pytest.mark.parametrize(
+    ("collective", "rule"),
+    [("reduce", "fairscale"), ("reduce_scatter", "fairscale"), ("reduce", "flat")],
+)
+def test_wide_model_launches_no_more_than_ddp(pool, collective, rule):
     """24 x (Linear(2048) + LayerNorm) at DDP's default 25 MiB: DDP all-reduces 13 buckets;
     ZeRO-2 used to launch 24 reduces (fairscale's 2**23-element cap closed every bucket
-    after one weight)."""
-    results = pool.run(count_task, 2048, 24, False, collective, None, world_size=2, timeout=240)
+    after one weight; the flat rule's slices too). A flat key's slice travels alone, by
+    ``reduce``, whatever the collective."""
+    args = (2048, 24, False, collective, None, rule)
+    results = pool.run(count_task, *args, world_size=2, timeout=240)
     for r in results:
         assert r["ddp"] == 13, r
         assert 0 < _total(r["zero2"]) <= r["ddp"], r
@@ -168,6 +175,9 @@ def test_cpu_proxy_launches_no_more_than_ddp(pool, world, cap_mb):
     results = pool.run(count_task, 64, 96, True, "reduce_scatter", cap_mb, world_size=world)
     for r in results:
         assert 0 < _total(r["zero2"]) <= r["ddp"], r
+    if world == 2:  # a flat key's slices travel by reduce, one per slice
+        for r in pool.run(count_task, 64, 96, True, "reduce", cap_mb, "flat", world_size=2):
+            assert 0 < _total(r["zero2"]) <= r["ddp"], r
     if world == 2:
         for r in pool.run(count_task, 64, 96, True, "reduce", cap_mb, world_size=2):
             assert 0 < _total(r["zero2"]) <= r["ddp"], r

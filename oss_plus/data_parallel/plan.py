@@ -255,7 +255,8 @@ def _flat_buckets(
     for key in flat:
         numels = [specs[i].numel for i in key.params]
         limit = cap.elements(specs[key.params[0]].itemsize) if key.params else 0
-        for cut in cut_slices(key.params, numels, key.offsets, key.region, limit):
+        cuts = cut_slices(key.params, numels, key.offsets, key.region, limit, cap.in_bytes)
+        for cut in cuts:
             where = dict(zip(key.params, key.offsets))
             members = tuple(i for i, _, _ in cut.members)
             offsets = tuple(where[i] + start - cut.lo for i, start, _ in cut.members)
