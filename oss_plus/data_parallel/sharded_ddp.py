@@ -26,7 +26,7 @@ from oss_plus._trace import label
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
-from oss_plus.data_parallel.plan import DDP_BUCKET_CAP_MB, BucketCap
+from oss_plus.data_parallel.plan import BucketCap
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD, GradReducer
 from oss_plus.data_parallel.wiring import Settings, Watch, build_reducer, plan_for
 from oss_plus.optimizer import OSS
@@ -87,10 +87,8 @@ class ShardedDataParallel(nn.Module):
             fairscale's ``ShardedDataParallel`` gives it (a param used on some ranks only is
             averaged correctly either way; DDP with False raises in that case). Choose False
             when every param gets a gradient at every backward, or when zeros are fine.
-        bucket_cap_mb: keyword-only, DDP's bucket size in MiB (default 25, DDP's): a bucket
-            closes once it holds at least that much, so it launches no more collectives per
-            backward than DDP with the same ``bucket_cap_mb``. Not together with
-            ``reduce_buffer_size``.
+        bucket_cap_mb: keyword-only, DDP's bucket size in MiB (default 25): a bucket closes
+            once it holds at least that much, as DDP's. Not with ``reduce_buffer_size``.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
@@ -152,13 +150,7 @@ class ShardedDataParallel(nn.Module):
         #: fairscale's bucket size in elements (None: ``bucket_cap_mb`` sizes the buckets)
         self.reduce_buffer_size = reduce_buffer_size
         #: DDP's bucket size in MiB (None when ``reduce_buffer_size`` sizes the buckets)
-        self.bucket_cap_mb = (
-            None
-            if reduce_buffer_size is not None
-            else DDP_BUCKET_CAP_MB
-            if bucket_cap_mb is None
-            else bucket_cap_mb
-        )
+        self.bucket_cap_mb = cap.limit / 2**20 if cap.in_bytes else None
         self.auto_refresh_trainable = auto_refresh_trainable
         #: As DDP's: whether params without a gradient anywhere keep ``grad=None`` (read at
         #: every re-plan).
