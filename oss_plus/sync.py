@@ -381,12 +381,12 @@ def build_sync(
         requested(policy.transport)
         return BucketSync([], group)
     if plan.rule is Rule.FLAT:
-        keys = gathered_keys([params], policy.transport, group)
+        keys = gathered_keys([params], policy.transport, group, equal_regions=True)
         buckets, gathers = flat_buckets(params, plan.world_size, policy.aligned, keys)
         return BucketSync(buckets, group, gathers)
     if policy.layout is Layout.OWNER_BUCKETS:
         by_owner = [[params[i] for i in plan.owned(r)] for r in range(plan.world_size)]
-        keys = gathered_keys(by_owner, policy.transport, group)
+        keys = gathered_keys(by_owner, policy.transport, group, policy.aligned)
         buckets, gathers = owner_buckets(by_owner, policy.aligned, keys)
         return BucketSync(buckets, group, gathers)
     requested(policy.transport)

@@ -227,7 +227,7 @@ def test_refresh_trainable_reroutes_to_the_new_owners(pool):
 ABSENT = {
     "batched_grad_copy": "DDP knob for copying grads into its buckets; owned grads are views",
     "broadcast_bucket_size": "DDP coalesces buffer broadcasts; buffers go one by one here",
-    "bucket_bytes_cap": "buckets are sized by reduce_buffer_size (elements, fairscale's unit)",
+    "bucket_bytes_cap": "buckets are sized by bucket_cap_mb (MiB, as DDP) or reduce_buffer_size",
     "bucket_bytes_cap_default": "as bucket_bytes_cap",
     "bucket_bytes_cap_list": "as bucket_bytes_cap",
     "dim": "DDP's input scatter dimension: inputs are not scattered (device_ids is None)",

@@ -118,7 +118,9 @@ def check_config(config: str) -> None:
     )
 
 
-def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tuple[Any, Any]:
+def _wrap(config: str, model: torch.nn.Module, bucket: int | None, **adam: Any) -> tuple[Any, Any]:
+    """Build ``config`` over ``model``; ``bucket``: ``reduce_buffer_size`` in elements for both
+    ShardedDataParallels (None: oss_plus's default, DDP's 25 MiB; fairscale's 2**23)."""
     check_config(config)
     config = config.removesuffix("_again")
     if config.startswith("oss_plus_sdp"):
@@ -153,7 +155,7 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int, **adam: Any) -> tupl
     from fairscale.optim import OSS as FairscaleOSS
 
     opt = FairscaleOSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
-    return FairscaleSDP(model, opt, reduce_buffer_size=bucket), opt
+    return FairscaleSDP(model, opt, reduce_buffer_size=2**23 if bucket is None else bucket), opt
 
 
 def _iteration(net: Any, opt: Any, x: torch.Tensor, autocast: bool = False) -> None:
@@ -187,7 +189,7 @@ def _side_by_side_rank(
     adam = {"fused": True}
     width, act, auto = args["width"], args["act"], args["autocast"]
     nets = {
-        c: _wrap(c, _model(width, args["layers"], deep=True, act=act), 2**23, **adam)
+        c: _wrap(c, _model(width, args["layers"], deep=True, act=act), None, **adam)
         for c in configs
     }
     gen = torch.Generator().manual_seed(rank)
@@ -277,7 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--bucket", type=int, default=2**23)
+    p.add_argument(
+        "--bucket",
+        type=int,
+        default=None,
+        help="reduce_buffer_size in elements (default: oss_plus's DDP-like 25 MiB buckets, "
+        "fairscale's 2**23)",
+    )
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--collectives", action="store_true")
     p.add_argument("--backend", default="gloo", help="gloo, nccl (a GPU per rank) or auto")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from oss_plus._layout import alignment
 from oss_plus.data_parallel.flat import cut_param, key_layout
-from oss_plus.data_parallel.plan import FlatKey
+from oss_plus.data_parallel.plan import DDP_BUCKET_CAP_MB, BucketCap, FlatKey
 from oss_plus.optimizer import OSS
 from oss_plus.partition import Rule
 
@@ -27,6 +27,8 @@ __all__ = [
     "OTHER_GROUP",
     "OTHER_REPLICAS",
     "SHARED_PARAM",
+    "TWO_BUCKET_SIZES",
+    "bucket_cap",
     "check_optimizers",
     "check_replicas",
     "default_groups",
@@ -61,6 +63,12 @@ MISSING_PARAMS = (
 SHARED_PARAM = (
     "ShardedDataParallel: param {name!r} is in optimizers {first} and {second}; every param "
     "may be sharded by one optimizer only"
+)
+#: Raised when both bucket sizes are given.
+TWO_BUCKET_SIZES = (
+    "ShardedDataParallel: pass reduce_buffer_size (fairscale's, in elements) or "
+    "bucket_cap_mb (DDP's, in MiB), not both; got reduce_buffer_size={elements!r} and "
+    "bucket_cap_mb={mb!r}"
 )
 #: Raised when the module's params are on several device types.
 MIXED_DEVICE_TYPES = (
@@ -188,3 +196,29 @@ def flat_keys(optimizers: Sequence[OSS], trainable: Sequence[torch.Tensor]) -> l
                       if id(params[i]) in position]  # fmt: skip
             keys.append(FlatKey(tuple(k for k, _ in inside), tuple(o for _, o in inside), region))
     return keys
+
+
+def bucket_cap(reduce_buffer_size: int | None, bucket_cap_mb: float | None) -> BucketCap:
+    """The buckets' cap: fairscale's ``reduce_buffer_size`` (elements, a bucket closes before
+    exceeding it) when given, else DDP's ``bucket_cap_mb`` (default 25 MiB, a bucket closes
+    once it reaches it).
+
+    Raises:
+        ValueError: both given (:data:`TWO_BUCKET_SIZES`), or a size that is not a number >= 0.
+
+    Example:
+        >>> bucket_cap(None, None)
+        BucketCap(limit=26214400, in_bytes=True)
+        >>> bucket_cap(2**23, None)
+        BucketCap(limit=8388608, in_bytes=False)
+    """
+    if reduce_buffer_size is not None and bucket_cap_mb is not None:
+        raise ValueError(TWO_BUCKET_SIZES.format(elements=reduce_buffer_size, mb=bucket_cap_mb))
+    if reduce_buffer_size is None:
+        return BucketCap.megabytes(DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+    if isinstance(reduce_buffer_size, bool) or not isinstance(reduce_buffer_size, int):
+        fix = "fairscale's default is 2**23; 0 sends each gradient alone"
+        raise ValueError(
+            f"reduce_buffer_size must be an int (elements), got {reduce_buffer_size!r}: {fix}"
+        )
+    return BucketCap(max(0, reduce_buffer_size))

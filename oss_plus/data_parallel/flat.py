@@ -77,6 +77,7 @@ def cut_slices(
     offsets: Sequence[int],
     region: int,
     bucket_numel: int,
+    close_after: bool = False,
 ) -> list[FlatSlice]:
     """Cut one key's buffer into buckets (see the module doc).
 
@@ -86,6 +87,8 @@ def cut_slices(
         offsets: their offsets in the buffer (:func:`key_layout`).
         region: the size of each rank's range.
         bucket_numel: the largest slice; 0 or less: one slice per param and range.
+        close_after: DDP's rule instead: a slice closes once it spans at least
+            ``bucket_numel`` elements (the span that reached it included).
 
     Returns:
         The slices, last range first, each range from its end down.
@@ -102,7 +105,9 @@ def cut_slices(
     for rank in sorted(spans, reverse=True):
         current: list[tuple[int, int, int, int]] = []
         for span in reversed(spans[rank]):
-            too_big = current and (bucket_numel <= 0 or current[-1][1] - span[0] > bucket_numel)
+            size = current[-1][1] - (current[0][0] if close_after else span[0]) if current else 0
+            full = size >= bucket_numel if close_after else size > bucket_numel
+            too_big = current and (bucket_numel <= 0 or full)
             if too_big:
                 slices.append(_slice(rank, current))
                 current = []

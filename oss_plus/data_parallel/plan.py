@@ -13,10 +13,12 @@ Rules:
   inside one rank's range (:mod:`oss_plus.data_parallel.flat`), so a param cut by a range
   boundary has its pieces in the buckets of their ranges (:attr:`Bucket.spans`);
 * params are taken in the order backward produces their gradients: as observed in a
-  previous backward when given, else *reverse* registration order (DDP's first guess too),
-  and a bucket is closed when the next param would take it past ``bucket_numel``
-  elements; a param larger than that travels alone; ``bucket_numel=0`` means one bucket
-  per param;
+  previous backward when given, else *reverse* registration order (DDP's first guess too);
+* a bucket closes by its :class:`BucketCap`: by default as DDP's (``bucket_cap_mb``), once
+  it holds at least the cap in bytes (the param that reaches the cap is in it); with
+  fairscale's ``reduce_buffer_size`` (a plain int), before the next param would take it
+  past that many elements (a param larger than that travels alone); a cap of 0 means one
+  bucket per param;
 * buckets are ordered by the position of their last member in that order, i.e. by when
   backward completes them.
 """
@@ -30,6 +32,8 @@ from oss_plus.data_parallel.flat import cut_slices
 
 __all__ = [
     "Bucket",
+    "BucketCap",
+    "DDP_BUCKET_CAP_MB",
     "FlatKey",
     "GradSpec",
     "LaunchGroup",
@@ -47,11 +51,76 @@ class GradSpec:
         numel: element count.
         owner: group-local rank that owns the param (its optimizer state and its gradient).
         key: what must be equal for two params to share a flat buffer (dtype, device).
+        itemsize: bytes per element (what a cap in bytes counts).
     """
 
     numel: int
     owner: int
     key: Hashable
+    itemsize: int = 4
+
+
+#: DDP's default ``bucket_cap_mb`` (``torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB``).
+DDP_BUCKET_CAP_MB = 25.0
+#: Raised for a negative or non-numeric bucket size.
+BAD_BUCKET_CAP = "{name} must be a number >= 0, got {value!r}: {fix}"
+
+
+@dataclass(frozen=True)
+class BucketCap:
+    """When a bucket of one owner and key is full.
+
+    Attributes:
+        limit: the cap, in bytes when ``in_bytes`` else in elements; 0: one param per bucket.
+        in_bytes: DDP's rule (``bucket_cap_mb``, ``_compute_bucket_assignment_by_size``): a
+            bucket closes once it holds at least ``limit`` bytes, the param that reached the
+            cap included. False: fairscale's ``reduce_buffer_size``: a bucket closes before
+            the next param would take it past ``limit`` elements.
+
+    Raises:
+        ValueError: a limit that is not an int >= 0.
+
+    Example:
+        >>> BucketCap.megabytes(25).limit
+        26214400
+        >>> BucketCap(10).fits(8, 3), BucketCap(10, in_bytes=True).fits(8, 3)
+        (False, True)
+    """
+
+    limit: int
+    in_bytes: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0:
+            fix = "0 puts every gradient in a bucket of its own"
+            raise ValueError(
+                BAD_BUCKET_CAP.format(name="the bucket cap", value=self.limit, fix=fix)
+            )
+
+    @classmethod
+    def megabytes(cls, bucket_cap_mb: float) -> BucketCap:
+        """DDP's cap of ``bucket_cap_mb`` MiB (as DDP: ``int(bucket_cap_mb * 2**20)`` bytes).
+
+        Raises:
+            ValueError: not a number >= 0.
+        """
+        ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+        if not ok or bucket_cap_mb < 0:
+            fix = f"DDP's default is {DDP_BUCKET_CAP_MB}"
+            raise ValueError(
+                BAD_BUCKET_CAP.format(name="bucket_cap_mb", value=bucket_cap_mb, fix=fix)
+            )
+        return cls(int(bucket_cap_mb * 2**20), in_bytes=True)
+
+    def fits(self, size: int, add: int) -> bool:
+        """Whether a bucket already holding ``size`` (elements or bytes) takes ``add`` more."""
+        if self.in_bytes:
+            return size < self.limit  # not yet full: the next param goes in
+        return self.limit > 0 and size + add <= self.limit
+
+    def elements(self, itemsize: int) -> int:
+        """The cap in elements of ``itemsize`` bytes (the flat rule's slices)."""
+        return self.limit // itemsize if self.in_bytes else self.limit
 
 
 @dataclass(frozen=True)
@@ -111,15 +180,16 @@ class ReducePlan:
 
 def plan_buckets(
     specs: Sequence[GradSpec],
-    bucket_numel: int,
+    bucket_numel: int | BucketCap,
     order: Sequence[int] | None = None,
     flat: Sequence[FlatKey] = (),
 ) -> ReducePlan:
-    """Group ``specs`` into buckets of at most ``bucket_numel`` elements (see module doc).
+    """Group ``specs`` into buckets closed by ``bucket_numel`` (see module doc).
 
     Args:
         specs: one entry per trainable param, in registration order.
-        bucket_numel: the largest bucket in elements; 0 (or less) puts each param alone.
+        bucket_numel: a :class:`BucketCap`, or fairscale's largest bucket in elements (an
+            int; 0 or less puts each param alone).
         order: the order in which backward produces the gradients (indices into ``specs``,
             as observed in a previous backward); params missing from it follow, in reverse
             registration order. Default: reverse registration order.
@@ -134,26 +204,27 @@ def plan_buckets(
         >>> [b.members for b in plan_buckets(specs, 0, order=[1, 0, 2]).buckets]
         [(1,), (0,), (2,)]
     """
+    cap = bucket_numel if isinstance(bucket_numel, BucketCap) else BucketCap(max(0, bucket_numel))
     seen = set(order or ())
     ready = [*(order or ()), *(i for i in reversed(range(len(specs))) if i not in seen)]
     rank_of = {index: k for k, index in enumerate(ready)}
     in_flat = {i for key in flat for i in key.params}
-    open_: dict[tuple[int, Hashable], list[int]] = {}
+    open_: dict[tuple[int, Hashable], tuple[list[int], int]] = {}
     closed: list[tuple[int, Bucket]] = []  # (position of the last member, bucket)
     for index in ready:
         if index in in_flat:
             continue
         spec = specs[index]
         slot_key = (spec.owner, spec.key)
-        members = open_.get(slot_key, [])
-        size = sum(specs[i].numel for i in members)
-        if members and (bucket_numel <= 0 or size + spec.numel > bucket_numel):
+        members, size = open_.get(slot_key, ([], 0))
+        add = spec.numel * spec.itemsize if cap.in_bytes else spec.numel
+        if members and not cap.fits(size, add):
             closed.append(_whole(members, specs, rank_of))
-            members = []
+            members, size = [], 0
         members.append(index)
-        open_[slot_key] = members
-    closed.extend(_whole(m, specs, rank_of) for m in open_.values() if m)
-    closed.extend(_flat_buckets(flat, specs, bucket_numel, rank_of))
+        open_[slot_key] = (members, size + add)
+    closed.extend(_whole(m, specs, rank_of) for m, _ in open_.values() if m)
+    closed.extend(_flat_buckets(flat, specs, cap, rank_of))
     closed.sort(key=lambda item: item[0])
     buckets = tuple(bucket for _, bucket in closed)
     position: dict[int, tuple[int, int]] = {}
@@ -177,13 +248,15 @@ def _whole(
 def _flat_buckets(
     flat: Sequence[FlatKey],
     specs: Sequence[GradSpec],
-    bucket_numel: int,
+    cap: BucketCap,
     rank_of: dict[int, int],
 ) -> list[tuple[int, Bucket]]:
     out = []
     for key in flat:
         numels = [specs[i].numel for i in key.params]
-        for cut in cut_slices(key.params, numels, key.offsets, key.region, bucket_numel):
+        limit = cap.elements(specs[key.params[0]].itemsize) if key.params else 0
+        cuts = cut_slices(key.params, numels, key.offsets, key.region, limit, cap.in_bytes)
+        for cut in cuts:
             where = dict(zip(key.params, key.offsets))
             members = tuple(i for i, _, _ in cut.members)
             offsets = tuple(where[i] + start - cut.lo for i, start, _ in cut.members)

@@ -27,6 +27,7 @@ from oss_plus._trace import label
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
+from oss_plus.data_parallel.plan import BucketCap
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD, GradReducer
 from oss_plus.data_parallel.wiring import Settings, Watch, build_reducer, plan_for
 from oss_plus.optimizer import OSS
@@ -48,8 +49,10 @@ class ShardedDataParallel(nn.Module):
 
     After backward, a rank holds ``.grad`` only for the params its sharded optimizer owns
     (the others are ``None``), equal to the average over the ranks as DDP computes it.
-    Gradients travel in buckets of up to ``reduce_buffer_size`` elements, reduced to their
-    owner while backward goes on. The gradients a rank owns are views of persistent buckets
+    Gradients travel in buckets, reduced to their owner while backward goes on. A bucket
+    holds the gradients of one owner and closes as DDP's do: once it holds at least
+    ``bucket_cap_mb`` MiB; or, when ``reduce_buffer_size`` is given, as fairscale's: before
+    it would exceed that many elements. The gradients a rank owns are views of persistent buckets
     (like DDP's ``gradient_as_bucket_view``); the others pass through transient buckets and
     are dropped (fairscale keeps every bucketed gradient on every rank).
 
@@ -62,7 +65,9 @@ class ShardedDataParallel(nn.Module):
         broadcast_buffers: broadcast the module's buffers from rank 0 at every forward, as
             DDP does.
         sync_models_at_startup: broadcast params and buffers from rank 0 now.
-        reduce_buffer_size: largest bucket, in elements; 0 sends each gradient alone.
+        reduce_buffer_size: fairscale's bucket size, in elements: a bucket closes before it
+            would exceed it; 0 sends each gradient alone. Default (None): sized by
+            ``bucket_cap_mb``.
         auto_refresh_trainable: detect ``requires_grad``, dtype and param changes at every
             forward (C-level passes over the params) and repartition / re-plan. False:
             forward makes no pass over the params; call :meth:`refresh_trainable` after
@@ -88,12 +93,14 @@ class ShardedDataParallel(nn.Module):
             ``replicate_group``): each bucket is reduced to its owner within
             ``process_group``, then the owner all-reduces it across this group, during
             backward (``docs/hybrid.md``). Must be the optimizers'.
+        bucket_cap_mb: keyword-only, DDP's bucket size in MiB (default 25): a bucket closes
+            once it holds at least that much, as DDP's. Not with ``reduce_buffer_size``.
 
     Raises:
         TypeError: ``sharded_optimizer`` is not an OSS or a list of OSS.
         ValueError: an optimizer over other ranks, trainable params in no optimizer, a param
-            in two optimizers, params on several device types, a bad ``reduce_dtype`` or
-            ``collective``.
+            in two optimizers, params on several device types, a bad ``reduce_dtype``,
+            ``collective`` or bucket size, both ``reduce_buffer_size`` and ``bucket_cap_mb``.
         All are raised on every rank of ``process_group``.
 
     Example:
@@ -112,7 +119,7 @@ class ShardedDataParallel(nn.Module):
         process_group: Any = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
-        reduce_buffer_size: int = 2**23,
+        reduce_buffer_size: int | None = None,
         auto_refresh_trainable: bool = True,
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
@@ -121,6 +128,7 @@ class ShardedDataParallel(nn.Module):
         collective: str = "auto",
         find_unused_parameters: bool = True,
         replicate_group: Any = None,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -132,11 +140,13 @@ class ShardedDataParallel(nn.Module):
         self.replicate_group = replicate_group
         self._optimizers: list[OSS] = []
         error: Exception | None = None
+        cap = BucketCap(0)
         try:
             self._optimizers = _validate.check_optimizers(sharded_optimizer, self.process_group)
             _validate.check_replicas(self._optimizers, replicate_group)
             self._wire = resolve_wire(reduce_fp16, reduce_dtype)
             self.collective = pick_collective(collective, self.process_group)
+            cap = _validate.bucket_cap(reduce_buffer_size, bucket_cap_mb)
             types = sorted({p.device.type for p in module.parameters()})
             if len(types) > 1:
                 raise ValueError(_validate.MIXED_DEVICE_TYPES.format(types=types))
@@ -150,7 +160,10 @@ class ShardedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.broadcast_buffers = broadcast_buffers
+        #: fairscale's bucket size in elements (None: ``bucket_cap_mb`` sizes the buckets)
         self.reduce_buffer_size = reduce_buffer_size
+        #: DDP's bucket size in MiB (None when ``reduce_buffer_size`` sizes the buckets)
+        self.bucket_cap_mb = cap.limit / 2**20 if cap.in_bytes else None
         self.auto_refresh_trainable = auto_refresh_trainable
         #: As DDP's: whether params without a gradient anywhere keep ``grad=None`` (read at
         #: every re-plan).
@@ -171,7 +184,7 @@ class ShardedDataParallel(nn.Module):
         self._module_buffers: list[torch.Tensor] = []
         self._settings = Settings(
             self.process_group,
-            reduce_buffer_size,
+            cap,
             self._wire,
             self.collective,
             find_unused_parameters,
@@ -395,7 +408,7 @@ class ShardedDataParallel(nn.Module):
                 dist.broadcast(order, src=_dist.global_rank(group, 0), group=group)
         agreed = [i for i in order.tolist() if i >= 0]
         self._reducer.observed = None
-        plan = plan_for(self.module, self._optimizers, self.reduce_buffer_size, agreed)[1]
+        plan = plan_for(self.module, self._optimizers, self._bucket_cap(), agreed)[1]
         if plan != self._reducer.plan:
             logger.info("re-planning the buckets in the order backward produced the gradients")
             self._replan(order=agreed)
@@ -405,12 +418,16 @@ class ShardedDataParallel(nn.Module):
         in ``order``; without one, the next backward's order is recorded and followed)."""
         if self._reducer is not None:
             self._reducer.remove()
-        self._settings.bucket_numel = self.reduce_buffer_size
+        self._settings.bucket_numel = self._bucket_cap()
         self._settings.find_unused = self.find_unused_parameters
         self._reducer = build_reducer(self.module, self._optimizers, self._settings, order)
         self._module_buffers = list(self.module.buffers())
         self._watch = Watch(self.module, self._optimizers)
         self._refuse_at_forward |= _graph_grads(self.module)  # fairscale checks at setup
+
+    def _bucket_cap(self) -> BucketCap:
+        """The buckets' cap from :attr:`reduce_buffer_size` or :attr:`bucket_cap_mb`."""
+        return _validate.bucket_cap(self.reduce_buffer_size, self.bucket_cap_mb)
 
 
 def _graph_grads(module: nn.Module) -> bool:

@@ -27,7 +27,7 @@ from torch import nn
 
 from oss_plus.amp import ShardedGradScaler
 from oss_plus.data_parallel import _validate
-from oss_plus.data_parallel.plan import GradSpec, ReducePlan, plan_buckets
+from oss_plus.data_parallel.plan import BucketCap, GradSpec, ReducePlan, plan_buckets
 from oss_plus.data_parallel.reducer import GradReducer
 from oss_plus.optimizer import OSS
 
@@ -98,7 +98,7 @@ class Settings:
     def __init__(
         self,
         group: Any,
-        bucket_numel: int,
+        bucket_numel: BucketCap,
         wire: torch.dtype | None,
         collective: str,
         find_unused: bool,
@@ -110,13 +110,15 @@ class Settings:
 
 
 def plan_for(
-    module: nn.Module, optimizers: Sequence[OSS], bucket_numel: int, order: list[int] | None
+    module: nn.Module, optimizers: Sequence[OSS], bucket_numel: BucketCap, order: list[int] | None
 ) -> tuple[list[torch.Tensor], ReducePlan]:
     """The trainable params (the reducer's indices) and their buckets."""
     named = list(module.named_parameters())
     owners = _validate.owners_of(optimizers, named)
     trainable: list[torch.Tensor] = [p for _, p in named if p.requires_grad]
-    specs = [GradSpec(p.numel(), owners[p], (p.dtype, p.device)) for p in trainable]
+    specs = [
+        GradSpec(p.numel(), owners[p], (p.dtype, p.device), p.element_size()) for p in trainable
+    ]
     flat = _validate.flat_keys(optimizers, trainable)
     return trainable, plan_buckets(specs, bucket_numel, order, flat)
 
