@@ -313,3 +313,22 @@ def test_at_world_size_1_the_params_take_the_exact_values(pool, saved):
     wire, rule, root, first, _ = saved
     for params in pool.run(world_one_task, str(root), first, wire, rule, world_size=1):
         assert all(torch.equal(a, b) for a, b in zip(params, first["mains"]))
+
+
+def bad_main_task(ctx, saved, wire, rule):
+    model = new_model()
+    opt = oss_for(model, ctx, wire, rule)
+    state_dict = copy.deepcopy(saved["state_dict"])
+    state_dict["state"][0][MAIN_KEY] = torch.zeros(3)
+    try:
+        opt.load_state_dict(state_dict)
+    except ValueError as exc:
+        return str(exc), opt.state_dict(all_ranks=True)["state"]
+    return None, None
+
+
+def test_main_values_of_another_shape_raise_before_anything_loads(pool, saved):
+    wire, rule, _, first, _ = saved
+    for message, state in pool.run(bad_main_task, first, wire, rule, world_size=2):
+        assert message is not None and "'oss_plus.main'" in message and "(3,)" in message
+        assert state == {}  # nothing was loaded
