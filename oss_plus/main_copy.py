@@ -7,26 +7,82 @@ accumulate (Megatron-Core's fp32 main params), the owner keeps a :class:`MainCop
 region in the params' dtype:
 
 * after its local step, before sending: ``main <- region`` (the exact values), ``wire <-
-  region`` (rounded), ``region <- wire`` (the owner holds what every rank receives);
-* before its next local step: :meth:`MainCopy.restore` puts the exact values back, element
-  by element where the param still holds the value the sync gave it (``region == wire``);
-  an element changed in between (``model.load_state_dict``, an in-place edit) keeps its new
-  value, and its main value follows it.
+  region`` (rounded), ``region <- wire`` (the owner holds what every rank receives); then it
+  records the version counter (``Tensor._version``) of every param whose memory lies in the
+  region;
+* before its next local step: :meth:`MainCopy.restore` puts the exact values back. When no
+  version moved (nothing wrote into those params since), that is one copy of the region;
+  when one did (``model.load_state_dict``, ``p.mul_()`` under ``no_grad``, any in-place
+  write through the param), element by element where the region still holds the value the
+  sync gave it: an element changed in between keeps its new value, and its main value
+  follows it. Writes through ``p.data`` bypass the version counter: call
+  :meth:`MainCopies.written` after them (``docs/amp.md``).
+
+The exact values travel with the optimizer's state as the per-param entry :data:`MAIN_KEY`
+(:meth:`MainCopies.values` exports them, :meth:`MainCopies.load` takes them back on the
+new owner), so a checkpoint, a consolidated state dict and a repartition keep them. Values
+brought that way are restored where the param holds them rounded to a 16-bit wire (the
+values every replica held when they were saved), so the model may be loaded before or
+after the optimizer.
 
 Nothing is kept for an uncompressed bucket: turning the wire off restores the exact values
 at the next step, which then sends them exactly to every rank, and the copies are dropped.
 Memory: the params' dtype for every element this rank sends compressed (``1/N`` of the
-compressed params), plus one byte per element for the comparison (preallocated).
+compressed params): 4 bytes per fp32 element, nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import operator
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["MainCopy", "carry_main_values", "main_values"]
+__all__ = ["MAIN_KEY", "MainCopies", "MainCopy", "carry_main_values", "main_values"]
+
+#: The per-param state entry holding a param's exact values (its main copy), shaped like the
+#: param (like its piece under the flat rule). Reserved: the inner optimizer never sees it.
+MAIN_KEY = "oss_plus.main"
+
+#: Reads a tensor's version counter at C speed when mapped over tensors.
+_VERSION = operator.attrgetter("_version")
+
+
+class _Mode(enum.Enum):
+    SENT = "sent"  # main holds the exact values of what the last sync rounded
+    LOADED = "loaded"  # main holds exact values from a load or a repartition
+    RESTORED = "restored"  # the region holds the exact values (nothing to put back)
+
+
+def offset_in(tensor: torch.Tensor, region: torch.Tensor) -> int | None:
+    """The element offset of ``tensor``'s memory in ``region``, or None when it does not lie
+    inside it (as one contiguous run of the same dtype)."""
+    start = tensor.data_ptr() - region.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    inside = start >= 0 and end <= region.numel() * region.element_size()
+    if not inside or tensor.dtype != region.dtype or not tensor.is_contiguous():
+        return None
+    return start // region.element_size()
+
+
+def overlaps(tensor: torch.Tensor, region: torch.Tensor) -> bool:
+    """Whether the memory of ``tensor`` and ``region`` overlap."""
+    low, high = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    start = region.data_ptr()
+    return low < start + region.numel() * region.element_size() and start < high
+
+
+def held_rounded(region: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
+    """Where ``region`` holds ``main`` as it is or rounded to a 16-bit wire (bf16 or fp16):
+    the values every replica held when loaded main values were saved (the wire that
+    rounded them is not recorded)."""
+    same = region == main
+    if region.is_floating_point() and region.element_size() > 2:
+        for wire in (torch.bfloat16, torch.float16):
+            same |= region == main.to(wire).to(region.dtype)
+    return same
 
 
 class MainCopy:
@@ -34,67 +90,234 @@ class MainCopy:
 
     Args:
         region: the params' memory this rank updates and sends (a view of its bucket).
-        sent: the wire copy that travels for it (its dtype is the wire's).
+        writers: the params whose memory lies (partly) in ``region``: their version
+            counters tell whether anything wrote into them since the last sync.
     """
 
-    def __init__(self, region: torch.Tensor, sent: torch.Tensor) -> None:
-        self.region, self.sent = region, sent
+    def __init__(self, region: torch.Tensor, writers: Sequence[torch.Tensor]) -> None:
+        self.region = region
+        self.writers = list(writers)
         self.main = torch.empty_like(region)
-        self.mask = torch.empty_like(region, dtype=torch.bool)
+        #: the wire copy the last sync sent (its dtype is the wire's), or None
+        self.sent: torch.Tensor | None = None
+        self.mode = _Mode.RESTORED
+        self._versions: list[int] = []
+        self._compare = False  # written(): compare every element at the next restore
 
     @property
-    def wire(self) -> torch.dtype:
-        """The dtype the region travels as."""
-        return self.sent.dtype
+    def wire(self) -> torch.dtype | None:
+        """The dtype the region last travelled as."""
+        return None if self.sent is None else self.sent.dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the main values and the comparison's mask."""
-        return self.main.nbytes + self.mask.nbytes
+        """Bytes held: the main values."""
+        return self.main.nbytes
 
     @torch.no_grad()
-    def send(self) -> None:
-        """Keep the region's exact values, write them rounded into the wire copy and round
-        the region the same way."""
+    def send(self, sent: torch.Tensor) -> None:
+        """Keep the region's exact values, write them rounded into ``sent`` (the wire copy)
+        and round the region the same way; record the writers' versions."""
+        self.sent = sent
         self.main.copy_(self.region)
-        self.sent.copy_(self.region)
-        self.region.copy_(self.sent)
+        sent.copy_(self.region)
+        self.region.copy_(sent)
+        self._versions = list(map(_VERSION, self.writers))
+        self.mode, self._compare = _Mode.SENT, False
+
+    def written(self) -> None:
+        """Something wrote into the region without moving a version counter (``p.data``):
+        compare every element at the next restore."""
+        self._compare = True
+
+    def _clean(self) -> bool:
+        """Nothing wrote into the region since the sync (one version read per writer)."""
+        return (
+            self.mode is _Mode.SENT
+            and not self._compare
+            and list(map(_VERSION, self.writers)) == self._versions
+        )
+
+    def _kept(self) -> torch.Tensor:
+        """Where the region still holds the main values rounded (element by element)."""
+        if self.mode is _Mode.SENT:
+            assert self.sent is not None
+            return self.region == self.sent
+        return held_rounded(self.region, self.main)
+
+    @torch.no_grad()
+    def exact(self) -> torch.Tensor:
+        """The exact values of the region now (``main`` itself when nothing was written;
+        not a copy: read it before the next step)."""
+        if self.mode is _Mode.RESTORED:
+            return self.region
+        if self._clean():
+            return self.main
+        return torch.where(self._kept(), self.main, self.region)
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put the exact values back where the region still holds what was sent."""
-        torch.eq(self.region, self.sent, out=self.mask)
-        torch.where(self.mask, self.main, self.region, out=self.region)
+        """Put the exact values back where the region still holds them rounded."""
+        if self.mode is _Mode.RESTORED:
+            return
+        if self._clean():
+            self.region.copy_(self.main)
+        else:
+            torch.where(self._kept(), self.main, self.region, out=self.region)
+        self.mode = _Mode.RESTORED
+
+    @torch.no_grad()
+    def load(self, at: int, values: torch.Tensor) -> None:
+        """Take the exact values of the elements ``[at, at + values.numel())`` (a load or a
+        repartition); they are put back at the next restore where the region holds them
+        rounded."""
+        if self.mode is not _Mode.LOADED:
+            exact = self.exact()
+            if exact is not self.main:
+                self.main.copy_(exact)
+            self.mode = _Mode.LOADED
+        self.main[at : at + values.numel()].copy_(values.reshape(-1))
 
 
-def _offset(param: torch.Tensor, region: torch.Tensor) -> int | None:
-    """The element offset of ``param``'s memory in ``region``, or None outside it."""
-    start = param.data_ptr() - region.data_ptr()
-    inside = 0 <= start < region.numel() * region.element_size()
-    return start // region.element_size() if inside else None
+class MainCopies:
+    """The main copies of the regions one rank sends (owned by
+    :class:`oss_plus.sync.BucketSync`; the copies live on their holders, a bucket or a
+    gather, so another sync over the same holders finds them).
+
+    Args:
+        regions: ``(holder, region)`` for every region this rank sends, ``holder.main``
+            being its :class:`MainCopy` or None.
+        params: every param of the layout (views of its buckets, or with storage of their
+            own for those that span buckets).
+        pieces: ``(param, view)`` for every piece of a param that spans buckets.
+    """
+
+    def __init__(
+        self,
+        regions: Sequence[tuple[Any, torch.Tensor]],
+        params: Sequence[torch.Tensor],
+        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> None:
+        self.regions = list(regions)
+        self._params = list(params)
+        self._pieces = list(pieces)
+        #: by ``id``: the holders with a main copy
+        self.held = {id(h): h for h, _ in self.regions if h.main is not None}
+
+    @classmethod
+    def of(
+        cls, broadcast: Sequence[Any], gathers: Sequence[Any], rank: int, params: Sequence[Any]
+    ) -> MainCopies:
+        """The main copies of a layout: the regions ``rank`` sends are its ``broadcast``
+        buckets and its range of every gather; ``params`` are the layout's params."""
+        regions = [(b, b.flat) for b in broadcast if b.owner == rank and b.flat is not None]
+        regions += [(g, g.flat[rank * g.region : (rank + 1) * g.region]) for g in gathers]
+        pieces = [(p, view) for b in broadcast for p, _, view in b.pieces]  # slotted: broadcast
+        return cls(regions, params, pieces)
+
+    def _writers(self, region: torch.Tensor) -> list[torch.Tensor]:
+        found = {id(p): p for p in self._params if overlaps(p, region)}
+        found.update((id(p), p) for p, view in self._pieces if overlaps(view, region))
+        return list(found.values())
+
+    def _copy_of(self, holder: Any, region: torch.Tensor) -> MainCopy:
+        main = holder.main
+        if main is None or main.region.data_ptr() != region.data_ptr():
+            main = holder.main = MainCopy(region, self._writers(region))
+            self.held[id(holder)] = holder
+        return main
+
+    def send(self, holder: Any, region: torch.Tensor, sent: torch.Tensor) -> None:
+        """Round ``region`` (``holder``'s) into ``sent`` and itself, keeping its exact values."""
+        self._copy_of(holder, region).send(sent)
+
+    def restore(self, compressed: Any, keys: set[int] | None = None) -> None:
+        """Put the exact values back (of the holders of ``keys`` only, when given); drop the
+        copies of regions that ``compressed(dtype)`` says no longer travel compressed."""
+        for key, holder in list(self.held.items()):
+            main = holder.main
+            if main is not None and (keys is None or key in keys):
+                main.restore()
+                if not compressed(main.region.dtype):
+                    holder.main = None
+                    del self.held[key]
+
+    def written(self) -> None:
+        """Compare every element at the next restore (see :meth:`MainCopy.written`)."""
+        for holder in self.held.values():
+            holder.main.written()
+
+    def nbytes(self) -> int:
+        """Bytes the main copies hold."""
+        return sum(h.main.nbytes for h in self.held.values() if h.main is not None)
+
+    def drop(self) -> None:
+        """Forget every main copy."""
+        for holder in self.held.values():
+            holder.main = None
+        self.held = {}
+
+    def values(self, targets: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The exact values of the ``targets`` (by flat index: the tensors this rank's inner
+        optimizer steps) that lie in a region with a main copy, shaped like each target.
+        Views, not copies, while nothing wrote into the region: read them before the next
+        step."""
+        out: dict[int, torch.Tensor] = {}
+        for holder in list(self.held.values()):
+            main = holder.main
+            exact = main.exact()
+            for i, t in targets.items():
+                at = offset_in(t, main.region)
+                if at is not None:
+                    out[i] = exact[at : at + t.numel()].view(t.shape)
+        return out
+
+    def load(
+        self, targets: Sequence[torch.Tensor], values: Mapping[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Give the regions holding ``targets`` the exact ``values`` (by flat index; each of
+        its target's number of elements). Returns the values of targets no region holds
+        (not laid out: world size 1, a frozen param)."""
+        left: dict[int, torch.Tensor] = {}
+        for i, values_i in values.items():
+            target = targets[i]
+            for holder, region in self.regions:
+                at = offset_in(target, region)
+                if at is not None:
+                    self._copy_of(holder, region).load(at, values_i.to(region.device))
+                    break
+            else:
+                left[i] = values_i
+        return left
 
 
 @torch.no_grad()
-def main_values(buckets: Sequence[Any]) -> dict[int, tuple[torch.Tensor, torch.dtype]]:
+def apply_exact(target: torch.Tensor, values: torch.Tensor) -> None:
+    """Write the exact ``values`` into ``target`` (no region holds it) where it holds them
+    rounded to a 16-bit wire: there is no sync to keep them apart from the params."""
+    exact = values.to(device=target.device, dtype=target.dtype).view(target.shape)
+    target.copy_(torch.where(held_rounded(target, exact), exact, target))
+
+
+@torch.no_grad()
+def main_values(buckets: Sequence[Any]) -> dict[int, torch.Tensor]:
     """Before ``buckets`` are dropped (a new layout of the same params): by ``id`` of each
-    param of a bucket holding a main copy, its exact values (out of place) and the wire."""
-    carried: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+    param of a bucket holding a main copy, its exact values (a copy)."""
+    carried: dict[int, torch.Tensor] = {}
     for bucket in buckets:
         main = bucket.main
         if main is None:
             continue
-        exact = torch.where(main.region == main.sent, main.main, main.region)
+        exact = main.exact()
         for p in bucket.params:
-            at = _offset(p, main.region)
+            at = offset_in(p, main.region)
             if at is not None:
-                carried[id(p)] = (exact[at : at + p.numel()].clone(), main.wire)
+                carried[id(p)] = exact[at : at + p.numel()].clone()
     return carried
 
 
 @torch.no_grad()
-def carry_main_values(
-    buckets: Sequence[Any], carried: dict[int, tuple[torch.Tensor, torch.dtype]]
-) -> None:
+def carry_main_values(buckets: Sequence[Any], carried: dict[int, torch.Tensor]) -> None:
     """Give the new ``buckets`` main copies holding the ``carried`` exact values of their
     params (:func:`main_values`; those used leave ``carried``); their regions hold the values
     every rank holds."""
@@ -102,11 +325,31 @@ def carry_main_values(
         known = [(p, carried.pop(id(p))) for p in bucket.params if id(p) in carried]
         if not known:
             continue
-        main = MainCopy(bucket.flat, bucket.wire_buffer(known[0][1][1]))
-        main.main.copy_(main.region)
-        main.sent.copy_(main.region)  # what the region holds was sent: restore() applies
-        for p, (values, _) in known:
-            at = _offset(p, main.region)
+        main = MainCopy(bucket.flat, bucket.params)
+        for p, values in known:
+            at = offset_in(p, main.region)
             if at is not None:
-                main.main[at : at + p.numel()] = values
+                main.load(at, values)
         bucket.main = main
+
+
+def split_main(
+    states: Mapping[int, Mapping[str, Any]],
+) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+    """Split per-param states into the inner optimizer's states (without :data:`MAIN_KEY`;
+    a state left empty is dropped) and the main values, by flat index (PURE).
+
+    Example:
+        >>> plain, mains = split_main({0: {"step": 1, MAIN_KEY: torch.ones(2)}, 1: {MAIN_KEY: 0}})
+        >>> plain, sorted(mains)
+        ({0: {'step': 1}}, [0, 1])
+    """
+    plain: dict[int, dict[str, Any]] = {}
+    mains: dict[int, Any] = {}
+    for i, state in states.items():
+        rest = {k: v for k, v in state.items() if k != MAIN_KEY}
+        if MAIN_KEY in state:
+            mains[i] = state[MAIN_KEY]
+        if rest:
+            plain[i] = rest
+    return plain, mains

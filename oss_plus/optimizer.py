@@ -25,6 +25,7 @@ from oss_plus import _dist, _params, hybrid
 from oss_plus._params import PLANS_DIFFER
 from oss_plus.clip import ShardedClip
 from oss_plus.inflight import ForwardWaits
+from oss_plus.main_copy import MAIN_KEY, split_main
 from oss_plus.partition import Rule
 from oss_plus.pieces import PieceGrads
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
@@ -183,9 +184,16 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         (``plan.split``), the state is this rank's piece (``plan.piece(rank, index)``):
         tensors shaped like the param hold the piece's elements, 1-D
         (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
+
+        Under a compressed wire, the exact values of what this rank sends (its main
+        copies, ``docs/amp.md``) are the entry :data:`oss_plus.main_copy.MAIN_KEY`
+        (``"oss_plus.main"``) of each param's state, shaped like the param (its piece).
         """
         self._driver.wait()
-        return self._shard.export()
+        states = self._shard.export()
+        for i, values in self._replanner.main_values().items():
+            states.setdefault(i, {})[MAIN_KEY] = values
+        return states
 
     def import_local_state(
         self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
@@ -197,11 +205,18 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         The states are those of whole params: of a param the plan splits, this rank keeps
         its piece (a state whose tensors already have the shape of this rank's piece,
         1-D, as :meth:`export_local_state` gives them, is taken as it is). With
-        ``param_groups`` (state-dict form), their hyperparameters are loaded first. Not
-        collective.
+        ``param_groups`` (state-dict form), their hyperparameters are loaded first. An
+        ``"oss_plus.main"`` entry (exact values, :meth:`export_local_state`) goes to the
+        main copies, never to the inner optimizer. Not collective.
+
+        Raises:
+            ValueError: an ``"oss_plus.main"`` entry whose size is not its param's.
         """
         self._driver.wait()
-        self._shard.load(states, param_groups)
+        plain, mains = split_main(states)
+        exact = self._replanner.main_for(mains)  # checked before anything changes
+        self._shard.load(plain, param_groups)
+        self._replanner.give_main(exact)
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:

@@ -18,13 +18,14 @@ call here that changes the plan or the sync.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from oss_plus import _params
 from oss_plus.changes import ChangeDetector
+from oss_plus.main_copy import MAIN_KEY, apply_exact
 from oss_plus.partition import Rule
 from oss_plus.plan import ShardPlan, ShardPolicy
 from oss_plus.shard import LocalShard
@@ -34,6 +35,18 @@ from oss_plus.sync import BucketSync, build_sync
 __all__ = ["Replanner"]
 
 logger = logging.getLogger(__name__)
+
+#: Raised for a main-copy entry (:data:`oss_plus.main_copy.MAIN_KEY`) that does not fit.
+BAD_MAIN = (
+    "state[{index}]['oss_plus.main'] (the param's exact values under a compressed wire) has "
+    "shape {got} but must have the shape of param {index}, {shape} (or the number of "
+    "elements of this rank's piece of it): the state belongs to another model; drop the "
+    "'oss_plus.main' entries to load the rest"
+)
+
+
+def _shape_of(value: object) -> object:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 class Replanner:
@@ -88,13 +101,18 @@ class Replanner:
             error = exc
         _params.agree_plan(plan, error, self.group)  # raises on every rank before any move
         self.pinned = pin or self.pinned
-        self.shard.adopt(plan, self.group)
-        self.install()
+        carried = self.main_values()  # the exact values move with the state
+        self.install(carried=self.shard.adopt(plan, self.group, carried))
 
-    def install(self, make: Callable[[], Any] | None = None) -> None:
+    def install(
+        self,
+        make: Callable[[], Any] | None = None,
+        carried: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         """What :meth:`oss_plus.OSS.install_sync` does but drop the consolidated state:
         release the sync, install ``make()`` (default: :meth:`build`; under the flat rule a
-        moved cut is adopted first).
+        moved cut is adopted first). The exact values of what this rank sent compressed
+        (``carried``, default: the old sync's) go to the new sync's main copies.
 
         .. warning:: Collective when ``make`` is: call on every rank of ``group``.
         """
@@ -103,10 +121,69 @@ class Replanner:
         if plan is not None:
             self.adopt(plan)  # moves the state, then installs the sync
             return
+        if carried is None:
+            carried = self.main_values()
         self.sync.release()
         self.sync = (make or self.build)()
         self.shard.targets.point(getattr(self.sync, "piece_view", None))
         self.changes.reset(self.shard.flat_params())
+        if carried:
+            self.load_main(carried)
+
+    def _targets(self) -> dict[int, torch.Tensor]:
+        """The tensors this rank's inner optimizer steps, by flat index."""
+        targets = self.shard.targets.targets()
+        local = self.shard.plan.local_indices(self.shard.rank)
+        return {i: targets[i] for indices in local for i in indices}
+
+    def main_values(self) -> dict[int, torch.Tensor]:
+        """The exact values of what this rank sent compressed, by flat index, shaped like the
+        tensors its inner optimizer steps (:meth:`oss_plus.main_copy.MainCopies.values`)."""
+        sync = self.sync
+        if not isinstance(sync, BucketSync) or not sync.mains.held:
+            return {}
+        return sync.mains.values(self._targets())
+
+    def load_main(self, values: Mapping[int, torch.Tensor]) -> None:
+        """Give the main copies the exact ``values`` (by flat index, of whole params or of
+        this rank's pieces; those of params this rank does not hold are ignored). At world
+        size 1 (nothing laid out, no replica) a value goes into its param where the param
+        holds it rounded; elsewhere a value no region holds (a frozen param) is dropped.
+        Not collective.
+
+        Raises:
+            ValueError: a value whose number of elements is not its param's (or piece's).
+        """
+        self.give_main(self.main_for(values))
+
+    def main_for(self, values: Mapping[int, Any]) -> dict[int, torch.Tensor]:
+        """Of ``values`` (see :meth:`load_main`), those of what this rank holds, cut to its
+        pieces and checked (PURE: nothing changes).
+
+        Raises:
+            ValueError: a value whose number of elements is not its param's (or piece's).
+        """
+        shard = self.shard
+        mine = {i: v for i, v in values.items() if shard.plan.piece(shard.rank, i) is not None}
+        sliced = shard.targets.slice_states({i: {MAIN_KEY: v} for i, v in mine.items()})
+        targets = shard.targets.targets()
+        exact = {i: s[MAIN_KEY] for i, s in sliced.items()}
+        for i, v in exact.items():
+            if not isinstance(v, torch.Tensor) or v.numel() != targets[i].numel():
+                shape = tuple(targets[i].shape)
+                raise ValueError(BAD_MAIN.format(index=i, shape=shape, got=_shape_of(v)))
+        return exact
+
+    def give_main(self, exact: Mapping[int, torch.Tensor]) -> None:
+        """Give the main copies the values :meth:`main_for` returned. Not collective."""
+        sync = self.sync
+        if not exact or not isinstance(sync, BucketSync):
+            return  # a collaborator's sync keeps its own copies
+        targets = self.shard.targets.targets()
+        left = sync.mains.load(targets, exact)
+        if sync.world_size == 1:  # no replica to keep equal: the params take them
+            for i, v in left.items():
+                apply_exact(targets[i], v)
 
     def add_group(self) -> None:
         """Place the params of the groups' new last group: under the flat rule cut again

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from oss_plus import _dist, _params
 from oss_plus._trace import label
 from oss_plus.consolidate import whole_states
+from oss_plus.main_copy import MAIN_KEY, split_main
 from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
@@ -120,10 +121,19 @@ class LocalShard:
         self.optim.load_state_dict(local_sd)
         copy_hyper(self.optim.param_groups, self.param_groups)
 
-    def adopt(self, plan: ShardPlan, group: Any) -> None:
+    def adopt(
+        self, plan: ShardPlan, group: Any, mains: Mapping[int, torch.Tensor] | None = None
+    ) -> dict[int, torch.Tensor]:
         """Take ``plan`` (agreed by every rank): send the state of every param whose owner
         or pieces change to its new holders, rebuild the inner optimizer over the new shard
         (kept as it is when no owner, piece or local order changes).
+
+        ``mains`` (by flat index, this rank's exact values of what it sent compressed,
+        :mod:`oss_plus.main_copy`) travel with the state as :data:`MAIN_KEY` entries.
+
+        Returns:
+            The exact values this rank holds under ``plan`` (of its pieces for split
+            params), by flat index; the inner optimizer never sees them.
 
         .. warning:: Collective: call on every rank of ``group`` with the same plan.
         """
@@ -131,15 +141,19 @@ class LocalShard:
         old, self.plan = self.plan, plan
         changed = old.changed(plan)
         if not changed and old.local == plan.local:
-            return
+            return dict(mains or {})
         local = self.export()
+        for i, values in (mains or {}).items():
+            local[i] = {**local.get(i, {}), MAIN_KEY: values}
         shapes = [p.shape for p in self.flat_params()]
         arrived = whole_states(local, old, plan.holders(changed), shapes, group)
         mine = set(plan.owned(self.rank)).difference(changed)
         kept = {i: s for i, s in local.items() if i in mine}
         self.targets = PieceTargets(self.flat_params(), plan, self.rank)
-        self.optim = self._build({**kept, **self.targets.slice_states(arrived)})
+        states, moved = split_main({**kept, **self.targets.slice_states(arrived)})
+        self.optim = self._build(states)
         copy_hyper(self.optim.param_groups, self.param_groups)
+        return moved
 
     def add_group(self, plan: ShardPlan) -> None:
         """Take ``plan``, which places the params of a new last group and keeps every other

@@ -15,6 +15,7 @@ from typing import Any
 
 from oss_plus import _arrival
 from oss_plus.consolidate import ALL_RANKS, CPU, whole_states
+from oss_plus.main_copy import MAIN_KEY
 from oss_plus.state import (
     ParamState,
     copy_hyper,
@@ -154,7 +155,7 @@ class ShardedStateDict:
             if result is not None:
                 state_dict = result
         shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
-        validate_state_dict(state_dict, shapes, per_element_keys(self.optim))
+        validate_state_dict(state_dict, shapes, per_element_keys(self.optim) | {MAIN_KEY})
         states = saved_state_by_flat_index(state_dict)
         self.import_local_state(states, state_dict["param_groups"])  # type: ignore[attr-defined]
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

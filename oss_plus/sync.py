@@ -11,12 +11,10 @@ Every byte moves through ``torch.distributed`` collectives on the optimizer's gr
 writes no transport of its own (a shared-memory path measured faster on one host, but it is
 a transport of our own that only works on one host, and it was removed).
 
-Compression: when a wire dtype narrower than a bucket's dtype is requested (fp16/bf16), the
-owner rounds its region into a preallocated wire buffer, which is sent instead, and rounds
-its own region the same way; receivers widen the wire values into their buffer. So every
-replica holds the same values after every step. The owner keeps the exact values in a main
-copy (:mod:`oss_plus.main_copy`) that :meth:`BucketSync.restore` puts back before its next
-local step, so updates smaller than the wire format's resolution still accumulate.
+Compression (fp16/bf16 wire): the owner rounds its region into a preallocated wire buffer,
+sent instead, and rounds its own region the same way (receivers widen): every replica holds
+the same values. Its exact values stay in a main copy (:mod:`oss_plus.main_copy`) that
+:meth:`BucketSync.restore` puts back before its next local step.
 
 World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
 storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
@@ -54,7 +52,7 @@ from oss_plus._layout import (
 from oss_plus._trace import label
 from oss_plus.changes import Addresses
 from oss_plus.inflight import InFlight, Pending
-from oss_plus.main_copy import MainCopy
+from oss_plus.main_copy import MainCopies
 from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
 from oss_plus.split_params import SplitParams
@@ -117,10 +115,10 @@ class BucketSync:
         self._addresses = Addresses([p for b in self.buckets for p in b.params])
         #: the params that span buckets (the flat rule) and their pieces
         self.splits = SplitParams(self.buckets, self.rank)
-        #: by ``id``: the buckets and gathers holding a main copy (:mod:`oss_plus.main_copy`;
-        #: the copies live on them, so another sync over the same buckets finds them)
-        holders: list[Bucket | Gather] = [*self.buckets, *self.gathers]
-        self._mains = {id(x): x for x in holders if x.main is not None}
+        #: the main copies of the regions this rank sends compressed (:mod:`oss_plus.main_copy`)
+        self.mains = MainCopies.of(
+            self._broadcast, self.gathers, self.rank, self._addresses.tensors
+        )
         self._holding: dict[int, list[Bucket]] | None = None
 
     # ----------------------------------------------------------------- inspection
@@ -173,21 +171,37 @@ class BucketSync:
 
     def main_bytes(self) -> int:
         """Return the bytes the main copies of this rank hold (:mod:`oss_plus.main_copy`:
-        the regions it sends compressed, in their dtype, plus one mask byte per element)."""
-        return sum(x.main.nbytes for x in self._mains.values() if x.main is not None)
+        the regions it sends compressed, in their dtype)."""
+        return self.mains.nbytes()
+
+    def compressed_numel(self, wire: torch.dtype | None) -> int:
+        """Return the elements this rank sends compressed with ``wire`` (its regions whose
+        dtype the wire narrows, status slots and alignment included): what its main copies
+        hold once it sent them."""
+        return sum(
+            r.numel() for _, r in self.mains.regions if wire_dtype_for(r.dtype, wire) is not None
+        )
+
+    def written(self) -> None:
+        """Say that params were written in place through ``p.data`` (which moves no version
+        counter) since the last step: the next step compares every element of the regions
+        this rank sent compressed, so those writes are kept (``docs/amp.md``). Not
+        collective; needed on the ranks that own written params (calling it on every rank
+        is simplest)."""
+        self.mains.written()
 
     @torch.no_grad()
     def release(self) -> None:
         """Give every bucketed param its own storage again (before a layout is dropped); the
         main copies go (the params keep the values every rank holds)."""
-        for owner in self._mains.values():
-            owner.main = None
+        self.mains.drop()
         for bucket in self.buckets:
             if bucket.views:
                 for p in bucket.params:
                     p.data = p.data.clone()
         self.buckets, self.gathers, self._broadcast = [], [], []
-        self._addresses, self.status, self._mains = Addresses([]), PeerSlots([], [], self.group), {}
+        self._addresses, self.status = Addresses([]), PeerSlots([], [], self.group)
+        self.mains = MainCopies([], [])
         self.splits = SplitParams([], self.rank)
 
     def piece_view(self, param: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
@@ -204,25 +218,10 @@ class BucketSync:
         (:meth:`oss_plus.main_copy.MainCopy.restore`; of ``buckets`` only when given). A
         region that will travel uncompressed with ``wire`` drops its copy. Not collective."""
         self.splits.refresh()
-        if not self._mains:
-            return
-        keys = None if buckets is None else {id(b) for b in buckets}
-        for key, owner in list(self._mains.items()):
-            main = owner.main
-            if main is not None and (keys is None or key in keys):
-                main.restore()
-                if wire_dtype_for(main.region.dtype, wire) is None:
-                    owner.main = None
-                    del self._mains[key]
-
-    def _send_rounded(
-        self, owner: Bucket | Gather, region: torch.Tensor, sent: torch.Tensor
-    ) -> None:
-        """Round this rank's ``region`` into ``sent`` (and itself), keeping its exact values."""
-        if owner.main is None or owner.main.sent is not sent:
-            owner.main = MainCopy(region, sent)
-            self._mains[id(owner)] = owner
-        owner.main.send()
+        if self.mains.held:
+            keys = None if buckets is None else {id(b) for b in buckets}
+            compressed = functools.partial(_compressed, wire=wire)
+            self.mains.restore(compressed, keys)
 
     @torch.no_grad()
     def launch(self, wire: torch.dtype | None, code: int = OK) -> InFlight:
@@ -280,9 +279,8 @@ class BucketSync:
             out = g.flat if dtype is None else g.wire_buffer(dtype)
             mine = out[self.rank * g.region : (self.rank + 1) * g.region]
             if dtype is not None:
-                self._send_rounded(
-                    g, g.flat[self.rank * g.region : (self.rank + 1) * g.region], mine
-                )
+                region = g.flat[self.rank * g.region : (self.rank + 1) * g.region]
+                self.mains.send(g, region, mine)
             held = list(zip((out, mine), _dist.use_counts((out, mine))))
             key = (g.flat.device, g.flat.dtype)
             brought = [  # one gather per (device, dtype) brings all its buckets
@@ -340,7 +338,7 @@ class BucketSync:
         dtype = wire_dtype_for(flat.dtype, wire)
         tensor = flat if dtype is None else bucket.wire_buffer(dtype)
         if dtype is not None and mine:
-            self._send_rounded(bucket, flat, tensor)
+            self.mains.send(bucket, flat, tensor)
         src = _dist.global_rank(self.group, bucket.owner)
         held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
@@ -349,6 +347,10 @@ class BucketSync:
             _finish_broadcast, work, flat, tensor, dtype is not None and not mine, fill
         )
         return Pending(finish, held)
+
+
+def _compressed(dtype: torch.dtype, wire: torch.dtype | None) -> bool:
+    return wire_dtype_for(dtype, wire) is not None
 
 
 def _finish_broadcast(

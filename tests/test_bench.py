@@ -73,6 +73,11 @@ def test_bench_writes_every_row_with_consistent_bytes(tiny_run):
     assert rows["oss_plus"]["state_bytes"] == rows["floor"]["state_bytes"]
     assert rows["oss_plus_bf16"]["wire_bytes"] * 2 == rows["oss_plus"]["wire_bytes"] > 0
     assert rows["floor"]["wire_bytes"] == rows["unsharded"]["wire_bytes"] == 0
+    # the main copies: 4 bytes per element a rank sends compressed, none without the wire
+    mains, numels = rows["oss_plus_bf16"]["main_bytes"], rows["oss_plus_bf16"]["compressed_numel"]
+    assert all(m == 4 * n > 0 for m, n in zip(mains, numels))
+    assert sum(mains) >= 4 * 12 * (64 * 64 + 64)  # every param once: 12 x Linear(64, 64)
+    assert rows["oss_plus"]["main_bytes"] == [0, 0]
     assert data["ratios"]["floor"]["vs_floor"] == 1.0
     # CPU per step is counted on every row; the sync-only row moves oss_plus's bytes, no state
     for key, row in rows.items():
@@ -86,6 +91,7 @@ def test_bench_prints_a_table_and_draws_a_plot(tiny_run):
     _, data, out, text = tiny_run
     assert "CPU ms" in text and "oss_plus sync only" in text
     assert "no schedule finishes it in under" in text
+    assert "bytes per element it sends compressed" in text
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").stat().st_size > 0
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -136,7 +136,7 @@ def test_every_replica_equals_the_rounded_main_params_after_every_step(pool, wor
     for same, snapshots, main_bytes, owned in results:
         assert same == [True] * len(same)
         assert all(torch.equal(a, b) for a, b in zip(snapshots, results[0][1]))
-        assert main_bytes == owned * (4 + 1)  # an fp32 main value and a mask byte each
+        assert main_bytes == owned * 4  # an fp32 main value each, nothing else
     assert sum(owned for *_, owned in results) >= sum(p.numel() for p in make_model().parameters())
 
 

@@ -76,6 +76,8 @@ class Runner:
         wire_bytes: bytes one step moves between ranks (0 when nothing is sent).
         clip: clips the grads to a norm (the implementation's own method, or torch's), or None.
         note: what the row means beyond its name (e.g. the transport in use).
+        main: the bytes of this rank's main copies (compressed wire) and the elements it
+            sends compressed, or None.
     """
 
     step: Callable[[], Any]
@@ -84,6 +86,7 @@ class Runner:
     clip: Callable[[float], Any] | None
     note: str = ""
     keep: list[Any] = field(default_factory=list)
+    main: Callable[[], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ def _oss(
             clip,
             note=f"sync: {via}",
             keep=[opt],
+            main=lambda: (opt.sync.main_bytes(), opt.sync.compressed_numel(wire)),
         )
 
     return build

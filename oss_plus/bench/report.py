@@ -263,6 +263,7 @@ def summary_lines(result: BenchResult) -> list[str]:
             + (f", {r['vs_fp32']:.2f}x the fp32 step" if "vs_fp32" in r else "")
         )
     lines += _cpu_bound_lines(result)
+    lines += main_copy_lines(result)
     for fp32, bf16 in (("oss_plus", "oss_plus_bf16"), ("oss_plus", "oss_plus_fp16")):
         if fp32 in result.rows and bf16 in result.rows and result.rows[fp32]["wire_bytes"]:
             w32, w16 = result.rows[fp32]["wire_bytes"], result.rows[bf16]["wire_bytes"]
@@ -290,4 +291,22 @@ def _cpu_bound_lines(result: BenchResult) -> list[str]:
                 f"{cpu / cores * 1e3:.1f} ms = "
                 f"{cpu / cores / floor['step_s']:.2f}x the floor's step"
             )
+    return lines
+
+
+def main_copy_lines(result: BenchResult) -> list[str]:
+    """Per compressed row: the main copies' memory per rank (most loaded rank), per element
+    sent compressed and against the params' bytes (the issue-36 target: 4 bytes)."""
+    lines = []
+    for key, row in result.rows.items():
+        mains, numels = row.get("main_bytes") or [], row.get("compressed_numel") or []
+        if not any(mains):
+            continue
+        rank = max(range(len(mains)), key=lambda r: mains[r])
+        per = mains[rank] / numels[rank] if numels[rank] else float("nan")
+        lines.append(
+            f"{IMPLS[key].label}: main copies {mains[rank] / MB:.1f} MiB on the most loaded "
+            f"rank, {per:.2f} bytes per element it sends compressed "
+            f"({sum(mains) / MB:.1f} MiB over {len(mains)} ranks)"
+        )
     return lines

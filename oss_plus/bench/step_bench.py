@@ -153,6 +153,8 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
         if row["cpu"]
         else None,
         "state_bytes": row["state"],
+        "main_bytes": row.get("main"),
+        "compressed_numel": row.get("compressed"),
         "wire_bytes": row["wire"],
         "note": row["note"],
         "times_s": row["times"],

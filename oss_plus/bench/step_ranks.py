@@ -66,8 +66,10 @@ def _measure(
     syncs = count_syncs(runner.step, on)  # untimed: counting slows the step
     peak = peak_over_steady(runner.step, on)
     comm = comm_device()  # NCCL takes no CPU tensor, gloo takes any
-    mine = torch.tensor([float(runner.state_bytes()), float(syncs)], dtype=torch.float64)
-    rows = [torch.zeros(2, dtype=torch.float64, device=comm) for _ in range(dist.get_world_size())]
+    main = runner.main() if runner.main is not None else (0, 0)
+    numbers = [float(runner.state_bytes()), float(syncs), float(main[0]), float(main[1])]
+    mine = torch.tensor(numbers, dtype=torch.float64)
+    rows = [torch.zeros(4, dtype=torch.float64, device=comm) for _ in range(dist.get_world_size())]
     mine = mine.to(comm)
     with _dist.released(dist.group.WORLD, mine, *rows):  # may be a rank's last collective
         dist.all_gather(rows, mine)
@@ -79,6 +81,8 @@ def _measure(
         "clip": clip,
         "state": [int(r[0]) for r in gathered],
         "syncs": max(int(r[1]) for r in gathered),
+        "main": [int(r[2]) for r in gathered],
+        "compressed": [int(r[3]) for r in gathered],
         "peak": peak,
         "wire": runner.wire_bytes,
         "note": runner.note,

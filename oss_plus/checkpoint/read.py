@@ -31,6 +31,7 @@ from oss_plus.checkpoint.format import (
 from oss_plus.checkpoint.plan import check_optimizer, local_pieces, nbytes_of
 from oss_plus.checkpoint.storage import crc32_of
 from oss_plus.checkpoint.values import dtype_name, dtype_string
+from oss_plus.main_copy import MAIN_KEY
 from oss_plus.state import per_element_keys, state_shape_error
 
 __all__ = [
@@ -90,7 +91,7 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
         check_files(root, index)
         shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
         dtypes = [p.dtype for p in optimizer.flat_params()]
-        per_element = per_element_keys(optimizer.optim)
+        per_element = per_element_keys(optimizer.optim) | {MAIN_KEY}  # exact values too
         check_fits(index, shapes, dtypes, str(root / INDEX_FILE), per_element)
         _warn_other_optimizer(index, optimizer)
         pieces = {i: (start, end) for i, (start, end, _) in local_pieces(optimizer).items()}

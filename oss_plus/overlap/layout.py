@@ -97,7 +97,7 @@ class PieceLayout:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.entries: dict[int, Entry] = {}
-        self._carried: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+        self._carried: dict[int, torch.Tensor] = {}
 
     def find(self, index: int, params: Sequence[torch.Tensor]) -> Entry | None:
         """Return the entry of DDP bucket ``index`` if it holds exactly ``params``."""
