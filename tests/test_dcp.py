@@ -259,3 +259,26 @@ def test_range_blocks_cover_the_range_in_order(shape):
                 for offsets, sizes in range_blocks(shape, start, end)
             ]
             assert torch.equal(torch.cat(got), torch.arange(start, end)), (start, end)
+
+
+# ------------------------------------------------------------------ a rank without state
+def stateless_rank_task(ctx, path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)  # 2 params on 3 ranks: one rank owns nothing
+    opt = OSS(model.parameters(), torch.optim.AdamW, group=ctx.group, lr=0.01)
+    train(model, opt, SAVED)
+    held = len(opt.state)
+    opt.zero_grad()  # no grads: torch's probe looks at the state alone
+    model_sd, optim_sd = get_state_dict(model, opt)  # no rank may run torch's probe step
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
+    train(model, opt, MORE, start=SAVED)
+    return held, values(model)
+
+
+def test_a_rank_that_owns_nothing_does_not_run_torchs_probe(pool, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    train(model, torch.optim.AdamW(model.parameters(), lr=0.01), SAVED + MORE)
+    results = pool.run(stateless_rank_task, str(tmp_path / "ckpt"), world_size=3)
+    assert sorted(held for held, _ in results) == [0, 1, 1]
+    assert all(torch.equal(params, values(model)) for _, params in results)
