@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from oss_plus import _arrival, _norms
@@ -36,6 +38,10 @@ PRIVATE = {
     "Module._parameters": "oss_plus/data_parallel/sharded_ddp.py",
     "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
     "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
+    "state_dict._init_optim_state": "oss_plus/dcp.py",
+    "state_dict._get_optim_state_dict": "oss_plus/dcp.py",
+    "state_dict._load_optim_state_dict": "oss_plus/dcp.py",
+    "ShardedTensor._init_from_local_shards_and_global_metadata": "oss_plus/dcp.py",
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
@@ -195,6 +201,8 @@ def test_every_listed_api_exists_on_this_torch(name):
         "distributed_c10d": dist.distributed_c10d,
         "Optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
         "Module": torch.nn.Linear(1, 1),
+        "state_dict": torch_state_dict,
+        "ShardedTensor": ShardedTensor,
     }
     owner, *path = name.split(".")
     obj = owners[owner]
@@ -255,3 +263,13 @@ def test_the_address_check_sees_a_replaced_data_with_either_loop(monkeypatch, lo
     assert kept.intact()
     params[1].data = torch.zeros(4)  # re-allocated, the old storage still alive in base
     assert not kept.intact()
+
+
+def test_dcp_callers_are_the_functions_oss_plus_recognises():
+    """oss_plus.dcp recognises torch's DCP functions by their code objects and reads the
+    ``info`` local of the get/load ones: both must still be there, in that shape."""
+    for name in ("_get_optim_state_dict", "_load_optim_state_dict"):
+        fn = getattr(torch_state_dict, name)
+        code = getattr(fn, "__wrapped__", fn).__code__
+        assert "info" in code.co_varnames and "_init_optim_state" in code.co_names, name
+        assert "_state_dict_fn" in code.co_names, name
