@@ -35,7 +35,7 @@ def model_for(rule, seed=0):
     return make_cut_model(seed)
 
 
-def build(kind, ctx, rule="fairscale", seed=0, **extra):
+def build(kind, ctx, rule="fairscale", seed=0, lr=0.01, **extra):
     """A model and its optimizer: OSS (and its adapters) or DDP / FSDP2 + the plain AdamW."""
     model = model_for(rule, seed)
     if kind == "ddp":
@@ -51,17 +51,17 @@ def build(kind, ctx, rule="fairscale", seed=0, **extra):
         fully_shard(model, mesh=mesh)
     params = model.parameters()
     if kind == "sdp":  # OSS + oss_plus's ZeRO-2 wrapper
-        opt = OSS(params, torch.optim.AdamW, group=ctx.group, lr=0.01, partition_rule=rule)
+        opt = OSS(params, torch.optim.AdamW, group=ctx.group, lr=lr, partition_rule=rule)
         return ShardedDataParallel(model, opt, ctx.group), opt
     if kind in ("ddp", "fsdp2"):
-        return model, torch.optim.AdamW(params, lr=0.01)
+        return model, torch.optim.AdamW(params, lr=lr)
     if kind == "fairscale":
-        return model, fairscale.OSS(params, torch.optim.AdamW, group=ctx.group, lr=0.01, **extra)
+        return model, fairscale.OSS(params, torch.optim.AdamW, group=ctx.group, lr=lr, **extra)
     if kind == "torch":
         zero = torch_compat.ZeroRedundancyOptimizer
-        return model, zero(params, torch.optim.AdamW, process_group=ctx.group, lr=0.01, **extra)
+        return model, zero(params, torch.optim.AdamW, process_group=ctx.group, lr=lr, **extra)
     return model, OSS(
-        params, torch.optim.AdamW, group=ctx.group, lr=0.01, partition_rule=rule, **extra
+        params, torch.optim.AdamW, group=ctx.group, lr=lr, partition_rule=rule, **extra
     )
 
 
@@ -114,8 +114,9 @@ def save_task(ctx, kind, rule, path, extra):
 
 
 def load_task(ctx, kind, rule, path, extra):
-    # a model of other values: everything must come from the checkpoint
-    model, opt = build(kind, ctx, rule, seed=1, **extra)
+    # other values and another lr: everything must come from the checkpoint (the template's
+    # tensors are the live state, so DCP loads them in place; the lr only set_state_dict)
+    model, opt = build(kind, ctx, rule, seed=1, lr=0.5, **extra)
     model_sd, optim_sd = get_state_dict(named(model), opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
     set_state_dict(named(model), opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
