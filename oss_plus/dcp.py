@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from oss_plus import _arrival, _dist
 from oss_plus.consolidate import ALL_RANKS
-from oss_plus.state import ParamState, pack_param_groups
+from oss_plus.state import ParamState, pack_param_groups, per_element_keys, validate_state_dict
 
 __all__ = [
     "ARRIVAL_TIMEOUT",
@@ -60,9 +60,9 @@ ARRIVAL_TIMEOUT: timedelta | None = None
 #: Raised on every rank that entered torch's state-dict API when some rank did not.
 DCP_NOT_ALL_ARRIVED = (
     "torch.distributed.checkpoint.state_dict's get/set functions are collective for "
-    "oss_plus.OSS, but not every rank of the optimizer's group called them (this is rank "
-    "{rank}): call get_state_dict / set_state_dict (and their optimizer variants) on every "
-    "rank ({detail})"
+    "oss_plus.OSS, but not every one of the {world} ranks of the optimizer's group called "
+    "them within {seconds:g}s (this is rank {rank}): call get_state_dict / set_state_dict "
+    "(and their optimizer variants) on every rank"
 )
 
 #: Raised by :func:`load_sharded` when the state dict does not fit the optimizer.
@@ -164,8 +164,14 @@ def agreed_state(optimizer: Any) -> LocalState:
     try:
         _arrival.check_arrival(group, _WHAT, ARRIVAL_TIMEOUT)
     except RuntimeError as exc:
-        rank = dist.get_rank(group)
-        raise RuntimeError(DCP_NOT_ALL_ARRIVED.format(rank=rank, detail=exc)) from exc
+        timeout = ARRIVAL_TIMEOUT or _arrival.ARRIVAL_TIMEOUT
+        raise RuntimeError(
+            DCP_NOT_ALL_ARRIVED.format(
+                world=dist.get_world_size(group),
+                seconds=timeout.total_seconds(),
+                rank=dist.get_rank(group),
+            )
+        ) from exc
     optimizer.settle()
     local = LocalState(optimizer)
     flags = _dist.agree(None, group, value=int(len(local) > 0))
@@ -339,6 +345,22 @@ def _local_value(value: Any) -> Any:
     return torch.cat([s.tensor.reshape(-1) for s in shards])
 
 
+def _is_sharded(state: Mapping[str, Any]) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return any(isinstance(v, ShardedTensor) for v in state.values())
+
+
+def _check_whole(
+    optimizer: Any, states: dict[int, ParamState], packed: list[dict[str, Any]]
+) -> None:
+    """Check whole states against the params' shapes, as the plain load does
+    (:func:`oss_plus.state.validate_state_dict`)."""
+    shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
+    sd = {"state": states, "param_groups": packed}
+    validate_state_dict(sd, shapes, per_element_keys(optimizer.optim))
+
+
 def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
     """Load a state dict torch's ``set_*state_dict`` hands over (keys: FQNs, in the order of
     the optimizer's param groups; values: this module's form or whole tensors); each rank
@@ -371,7 +393,12 @@ def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
                 continue
             values = {k: _local_value(v) for k, v in saved[key].items()}
             states[i] = {k: v for k, v in values.items() if v is not None}
-        packed = [{**g, "params": list(range(len(g["params"])))} for g in groups]
+        packed, start = [], 0
+        for g in groups:
+            packed.append({**g, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        whole = {i: st for i, st in states.items() if not _is_sharded(saved[keys[i]])}
+        _check_whole(optimizer, whole, packed)  # this module's pieces fit by construction
         optimizer.import_local_state(states, packed)
 
     optimizer.settle()

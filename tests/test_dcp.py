@@ -258,7 +258,7 @@ def test_a_call_on_some_ranks_raises_instead_of_hanging(pool):
     for caller, other in ((0, 1), (1, 0)):  # rank 0 gets alone, then rank 1 sets alone
         what = 0 if caller == 0 else 2
         name, message = results[caller][what]
-        assert name == "RuntimeError" and "not every rank" in message and "1 of the 2" in message
+        assert name == "RuntimeError" and "not every one of the 2 ranks" in message
         assert results[other][what] is None
     assert results[0][1] == results[1][1] and len(results[0][1]) == 58
 
@@ -300,3 +300,16 @@ def test_a_rank_that_owns_nothing_does_not_run_torchs_probe(pool, tmp_path):
     results = pool.run(stateless_rank_task, str(tmp_path / "ckpt"), world_size=3)
     assert sorted(held for held, _ in results) == [0, 1, 1]
     assert all(torch.equal(params, values(model)) for _, params in results)
+
+
+def wrong_shape_task(ctx):
+    model, opt = build("oss", ctx)
+    train(model, opt, 1)
+    whole = copy.deepcopy(get_optimizer_state_dict(model, opt, options=StateDictOptions(True)))
+    whole["state"]["0.weight"]["exp_avg"] = torch.zeros(3)  # the param is 6 x 6
+    return catch(set_optimizer_state_dict, model, opt, whole)
+
+
+def test_a_state_that_does_not_fit_raises_on_every_rank(pool):
+    for name, message in pool.run(wrong_shape_task, world_size=2):
+        assert name == "ValueError" and "exp_avg" in message, message
