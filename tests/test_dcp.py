@@ -104,9 +104,10 @@ def named(model):
 
 
 def save_task(ctx, kind, rule, path, extra):
+    options = StateDictOptions(**extra.pop("options", {}))
     model, opt = build(kind, ctx, rule, **extra)
     train(model, opt, SAVED)
-    model_sd, optim_sd = get_state_dict(named(model), opt)
+    model_sd, optim_sd = get_state_dict(named(model), opt, options=options)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
     split = bool(opt.plan.split) if hasattr(opt, "plan") else None
     train(model, opt, MORE, start=SAVED)  # torch's probes must not have touched the state
@@ -116,10 +117,12 @@ def save_task(ctx, kind, rule, path, extra):
 def load_task(ctx, kind, rule, path, extra):
     # other values and another lr: everything must come from the checkpoint (the template's
     # tensors are the live state, so DCP loads them in place; the lr only set_state_dict)
+    options = StateDictOptions(**extra.pop("options", {}))
     model, opt = build(kind, ctx, rule, seed=1, lr=0.5, **extra)
-    model_sd, optim_sd = get_state_dict(named(model), opt)
+    model_sd, optim_sd = get_state_dict(named(model), opt, options=options)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
-    set_state_dict(named(model), opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    model, sds = named(model), {"model_state_dict": model_sd, "optim_state_dict": optim_sd}
+    set_state_dict(model, opt, **sds, options=options)
     loaded = whole_state(named(model), opt)
     lr = opt.param_groups[0]["lr"]
     train(model, opt, MORE, start=SAVED)
@@ -184,6 +187,12 @@ def test_collective_state_dict_takes_the_same_path(pool, tmp_path):
     """The setting of the measured wrong restore (step 2 instead of 1) now resumes exactly."""
     extra = {"collective_state_dict": True}
     check_resume(pool, tmp_path, ("oss", "fairscale", 2), ("oss", "fairscale", 2), extra)
+
+
+def test_flattened_optimizer_state_dicts_resume_too(pool, tmp_path):
+    """torchtitan's setting: the keys are flattened, and the load reads ``opt.state``."""
+    extra = {"options": {"flatten_optimizer_state_dict": True}}
+    check_resume(pool, tmp_path, ("oss", "flat", 2), ("oss", "flat", 3), extra)
 
 
 # ------------------------------------------------------------------ what each rank holds
