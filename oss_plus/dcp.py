@@ -125,7 +125,8 @@ def for_full_load() -> bool:
 class LocalState(Mapping[torch.Tensor, ParamState]):
     """This rank's optimizer state by param: a param it owns whole maps to its state, a
     param it holds a piece of to the piece's state (1-D tensors), any other param of the
-    optimizer to an empty dict (as a ``defaultdict``). Live, read-only.
+    optimizer to an empty dict (as a ``defaultdict``). Live: the dicts are the inner
+    optimizer's, and assigning a param's state replaces it there.
 
     ``bool()`` is the agreed answer of every rank when ``agreed`` is given.
     """
@@ -139,6 +140,10 @@ class LocalState(Mapping[torch.Tensor, ParamState]):
     def __getitem__(self, param: torch.Tensor) -> ParamState:
         target = self._targets[param]
         return self._inner.get(target, {})
+
+    def __setitem__(self, param: torch.Tensor, state: ParamState) -> None:
+        """Replace the state of a param this rank holds (what Lightning's device moves do)."""
+        self._inner[self._targets[param]] = state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (p for p, t in self._targets.items() if self._inner.get(t))

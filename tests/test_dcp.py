@@ -322,3 +322,37 @@ def wrong_shape_task(ctx):
 def test_a_state_that_does_not_fit_raises_on_every_rank(pool):
     for name, message in pool.run(wrong_shape_task, world_size=2):
         assert name == "ValueError" and "exp_avg" in message, message
+
+
+def local_state_task(ctx):
+    model, opt = build("oss", ctx, "flat")
+    train(model, opt, 1)
+    params = list(model.parameters())
+    held = [i for i, p in enumerate(params) if p in opt.state]
+    whole = [i for i in held if i not in opt.plan.split]
+    values = {i: copy.deepcopy(opt.state[params[i]]) for i in held}
+    others = [opt.state[p] for i, p in enumerate(params) if i not in held]
+    changed = whole[0] if ctx.rank == 0 else None
+    if changed is not None:  # Lightning's optimizer-to-device move assigns a param's state
+        state = opt.state[params[changed]]
+        opt.state[params[changed]] = {**state, "exp_avg": state["exp_avg"] + 1}
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return held, sorted(opt.plan.split), values, others, changed, copy.deepcopy(full["state"])
+
+
+def test_state_is_this_ranks_share_by_param(pool):
+    _, want = reference("flat", 1)
+    names = [n for n, _ in make_cut_model().named_parameters()]
+    results = pool.run(local_state_task, world_size=2)
+    held = [set(r[0]) for r in results]
+    split = set(results[0][1])
+    assert split and held[0] & held[1] == split and held[0] | held[1] == set(range(len(names)))
+    changed = results[0][4]
+    for _, _, values, others, _, full in results:
+        assert all(o == {} for o in others)
+        for i, state in values.items():
+            ref = want[names[i]]
+            assert torch.equal(state["step"], ref["step"])
+            if i not in split:  # a split param's state is this rank's piece (checked above)
+                assert torch.equal(state["exp_avg"], ref["exp_avg"])
+        assert torch.equal(full[names[changed]]["exp_avg"], want[names[changed]]["exp_avg"] + 1)
