@@ -129,6 +129,11 @@ def load_task(ctx, kind, rule, path, extra):
     return loaded, lr, values(model)
 
 
+def where(world):
+    """``pool.run``'s keyword for a world size, or a tuple of global ranks."""
+    return {"ranks": world} if isinstance(world, tuple) else {"world_size": world}
+
+
 def check_resume(pool, tmp_path, save, load, extra=None):
     """Save with ``save = (kind, rule, world)``, load with ``load``; compare with the
     unsharded AdamW: the state at the save, the params after more steps."""
@@ -136,10 +141,10 @@ def check_resume(pool, tmp_path, save, load, extra=None):
     (saver, rule, world), (loader, load_rule, load_world) = save, load
     want_params, _ = reference(rule, SAVED + MORE)
     _, saved_state = reference(rule, SAVED)
-    for split, params in pool.run(save_task, saver, rule, path, extra, world_size=world):
+    for split, params in pool.run(save_task, saver, rule, path, extra, **where(world)):
         assert torch.equal(params, want_params)  # the save changed nothing
         assert split in (None, rule == "flat")
-    results = pool.run(load_task, loader, load_rule, path, extra, world_size=load_world)
+    results = pool.run(load_task, loader, load_rule, path, extra, **where(load_world))
     for loaded, lr, params in results:
         assert_state(loaded, saved_state)
         assert lr == 0.01
@@ -158,6 +163,7 @@ def test_resume_exactly_at_the_same_world_size(pool, tmp_path, rule):
         (("oss", "flat", 2), ("oss", "fairscale", 3)),
         (("oss", "fairscale", 3), ("oss", "flat", 2)),
         (("oss", "torch", 2), ("oss", "flat", 3)),
+        (("oss", "flat", (2, 3)), ("oss", "flat", 3)),  # a group without global rank 0
     ],
 )
 def test_resume_at_another_world_size_and_rule(pool, tmp_path, save, load):
