@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oss_plus import _arrival
+from oss_plus import dcp as _dcp
 from oss_plus.consolidate import ALL_RANKS, CPU, whole_states
 from oss_plus.main_copy import MAIN_KEY
 from oss_plus.state import (
@@ -50,6 +51,24 @@ class ShardedStateDict:
     _optimizer_state_dict_post_hooks: Any
     _optimizer_load_state_dict_pre_hooks: Any
     _optimizer_load_state_dict_post_hooks: Any
+
+    @property
+    def state(self) -> Any:
+        """This rank's state by param (:class:`oss_plus.dcp.LocalState`: a param owned whole
+        maps to its state, a param held in part to its piece's, any other to ``{}``).
+
+        Read by torch's ``_init_optim_state`` (DCP's state-dict functions), it is collective:
+        every rank agrees whether any rank holds state (see :mod:`oss_plus.dcp`)."""
+        if "_shard" not in vars(self):  # torch.optim.Optimizer.__init__, before the shard
+            return {}
+        if _dcp.torch_options(_dcp.PROBE) is not None:
+            return _dcp.agreed_state(self)
+        return _dcp.LocalState(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Ignored: ``torch.optim.Optimizer.__init__`` assigns an empty dict; the state
+        lives in the inner optimizer (:attr:`oss_plus.OSS.optim`)."""
 
     @property
     def consolidated_state(self) -> Mapping[int, ParamState] | None:
@@ -121,6 +140,9 @@ class ShardedStateDict:
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        options = _dcp.torch_options(_dcp.GET)
+        if options is not None:  # torch's get_*state_dict (DCP): no gather unless asked
+            return self._run_post_hooks(self._dcp_state_dict(options))
         collective = getattr(self, "collective_state_dict", False)
         if collective and self._consolidated_copy is None and not all_ranks:
             _arrival.check_arrival(self.group, "state_dict()")
@@ -131,6 +153,15 @@ class ShardedStateDict:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
         state_dict = {"state": state, "param_groups": pack_param_groups(self.param_groups)}
+        return self._run_post_hooks(state_dict)
+
+    def _dcp_state_dict(self, options: Any) -> dict[str, Any]:
+        """``state_dict()`` as torch's ``get_*state_dict`` asked for it (``options``)."""
+        if getattr(options, "full_state_dict", False):
+            return _dcp.full_state_dict(self, bool(getattr(options, "cpu_offload", False)))
+        return _dcp.sharded_state_dict(self, template=_dcp.for_full_load())
+
+    def _run_post_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -154,9 +185,15 @@ class ShardedStateDict:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if _dcp.torch_options(_dcp.LOAD) is not None:  # torch's set_*state_dict (DCP)
+            _dcp.load_sharded(self, state_dict)
+        else:
+            self._load_full(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_full(self, state_dict: dict[str, Any]) -> None:
         shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
         validate_state_dict(state_dict, shapes, per_element_keys(self.optim) | {MAIN_KEY})
         states = saved_state_by_flat_index(state_dict)
         self.import_local_state(states, state_dict["param_groups"])  # type: ignore[attr-defined]
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)

@@ -48,3 +48,19 @@ def test_disk_floors_write_the_state_bytes_durably_and_replace_the_previous_file
     assert abs(consolidated["size_mb"] - state_mb) < 1e-3
     for m in (sharded, consolidated):
         assert m["load_s"] is None and statistics.median(m["save_runs"]) > 0
+
+
+def test_dcp_rows_write_each_rank_its_own_share(tmp_path):
+    """``oss_plus dcp``: every rank writes its own state, none writes all of it (nothing is
+    gathered); the total is the whole state once."""
+    tiny = ["--size", "0.05", "--world-size", "2", "--steps", "1", "--rounds", "1"]
+    impls = "oss_plus dcp,DDP + Adam dcp"
+    assert main(["bench", "--checkpoint", *tiny, "--impls", impls, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "checkpoint_bench.json").read_text())
+    ours, theirs = summary["oss_plus dcp"], summary["DDP + Adam dcp"]
+    state_mb = 2 * ours["params"] * 4 / 1e6
+    for m in (ours, theirs):
+        assert len(m["rank_mb"]) == 2 and m["load_s"] > 0
+        assert all(0.2 * state_mb < mb < 0.8 * state_mb for mb in m["rank_mb"]), m["rank_mb"]
+        assert state_mb <= sum(m["rank_mb"]) < 1.5 * state_mb  # DCP adds its own records
+    assert "| oss_plus dcp |" in checkpoint_bench.table(summary)

@@ -200,6 +200,15 @@ def check_async_save(ns: dict, out: str) -> None:
     assert not state_equal(opt.state_dict(all_ranks=True), ns["sd"])  # the step went on
 
 
+def check_dcp(ns: dict, out: str) -> None:
+    opt, opt2 = ns["opt"], ns["opt2"]
+    assert Path("ckpt/dcp/.metadata").is_file()
+    assert opt2.plan.rule.value == "flat" and opt.plan.rule.value == "fairscale"
+    saved = opt.state_dict(all_ranks=True)
+    assert len(saved["state"]) == 2 and state_equal(opt2.state_dict(all_ranks=True), saved)
+    assert torch.equal(flat_params(ns["model2"]), flat_params(ns["model"]))
+
+
 def check_zero2(ns: dict, out: str) -> None:
     from oss_plus import ShardedDataParallel
 
@@ -232,7 +241,7 @@ CHECKS: dict[str, list[Check]] = {
         check_zero2,
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
-    "checkpoints.md": [check_checkpoint_api, check_async_save],
+    "checkpoints.md": [check_checkpoint_api, check_async_save, check_dcp],
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],
 }
@@ -247,6 +256,7 @@ WRITES = {
         "ckpt/final/index.json",
         "ckpt/step_1000/index.json",
         "ckpt/async/index.json",
+        "ckpt/dcp/.metadata",
     ],
     "README.md": ["optim.pt"],
     "performance.md": [],

@@ -128,6 +128,20 @@ def test_checkpoint_resume_example_changes_world_size(tmp_path):
     assert "resumed at step 2 on 1 rank(s)" in second
 
 
+def test_checkpoint_resume_example_with_dcp_resumes_exactly(tmp_path):
+    """Saved with --dcp, resumed: the last loss is the one of 4 steps without a break
+    (other world sizes: tests/test_dcp.py; the example's batches differ by rank)."""
+    ckpt = str(tmp_path / "dcp")
+    first = torchrun("checkpoint_resume.py", "--steps", "2", "--dir", ckpt, "--dcp")
+    assert "saved" in first and "from 2 rank(s) (dcp)" in first
+    args = ("checkpoint_resume.py", "--steps", "2", "--dir", ckpt, "--dcp", "--resume")
+    second = torchrun(*args)
+    assert "resumed at step 2 on 2 rank(s) (dcp)" in second
+    whole = torchrun("checkpoint_resume.py", "--steps", "4", "--dir", str(tmp_path / "x"))
+    last = [line for line in whole.splitlines() if "step 3  loss" in line]
+    assert last and last[0].split("step 3")[1] in second
+
+
 def test_fairscale_port_example():
     out = torchrun("fairscale_port.py", "--steps", "2")
     assert "OSS is oss_plus.compat.fairscale.OSS" in out

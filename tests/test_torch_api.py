@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from oss_plus import _arrival, _norms
@@ -37,6 +39,10 @@ PRIVATE = {
     "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
     "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
     "torch._disable_dynamo": "oss_plus/data_parallel/sharded_ddp.py",
+    "state_dict._init_optim_state": "oss_plus/dcp.py",
+    "state_dict._get_optim_state_dict": "oss_plus/dcp.py",
+    "state_dict._load_optim_state_dict": "oss_plus/dcp.py",
+    "ShardedTensor._init_from_local_shards_and_global_metadata": "oss_plus/dcp.py",
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
@@ -196,6 +202,8 @@ def test_every_listed_api_exists_on_this_torch(name):
         "distributed_c10d": dist.distributed_c10d,
         "Optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
         "Module": torch.nn.Linear(1, 1),
+        "state_dict": torch_state_dict,
+        "ShardedTensor": ShardedTensor,
     }
     owner, *path = name.split(".")
     obj = owners[owner]
@@ -285,3 +293,13 @@ def test_disable_dynamo_skips_the_frame_and_with_recursive_false_only_that_frame
         assert seen == {"outer": False, "skipped": False, "inner": True}
     finally:
         torch._dynamo.reset()
+
+
+def test_dcp_callers_are_the_functions_oss_plus_recognises():
+    """oss_plus.dcp recognises torch's DCP functions by their code objects and reads the
+    ``info`` local of the get/load ones: both must still be there, in that shape."""
+    for name in ("_get_optim_state_dict", "_load_optim_state_dict"):
+        fn = getattr(torch_state_dict, name)
+        code = getattr(fn, "__wrapped__", fn).__code__
+        assert "info" in code.co_varnames and "_init_optim_state" in code.co_names, name
+        assert "_state_dict_fn" in code.co_names, name

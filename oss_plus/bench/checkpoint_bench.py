@@ -11,6 +11,8 @@ one never flatters another), on the same model (default: 20M params, Adam, 2 ran
 * ``torch ZeRO``: ``consolidate_state_dict(to=0)`` then ``torch.save`` on rank 0; same load;
 * ``oss_plus sharded`` / ``oss_plus consolidated``: ``save_checkpoint(sharded=...)`` and
   ``load_checkpoint``. These fsync every file before committing; ``torch.save`` does not.
+* ``oss_plus dcp`` / ``DDP + Adam dcp``: ``torch.distributed.checkpoint``'s flow
+  (:mod:`oss_plus.bench.dcp_ckpt`), for ``OSS`` and for the plain Adam every DDP rank holds;
 * ``disk floor sharded`` / ``disk floor consolidated``: no format, no checksum, no index, no
   communication: each rank (sharded) or rank 0 alone, for every rank's bytes (consolidated),
   writes the raw bytes of the optimizer state to a new file with ``os.write`` (starting the
@@ -51,6 +53,7 @@ import torch.distributed as dist
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
 from oss_plus._launch import run_local
+from oss_plus.bench import dcp_ckpt
 from oss_plus.bench.measure import PeakRSS, rss
 
 IMPLEMENTATIONS = (
@@ -58,6 +61,7 @@ IMPLEMENTATIONS = (
     "torch ZeRO",
     "oss_plus sharded",
     "oss_plus consolidated",
+    *dcp_ckpt.IMPLEMENTATIONS,
     "disk floor sharded",
     "disk floor consolidated",
 )
@@ -78,6 +82,8 @@ def _model(params_m: float) -> torch.nn.Module:
 
 
 def _optimizer(impl: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if impl in dcp_ckpt.IMPLEMENTATIONS:
+        return dcp_ckpt.optimizer(impl, model)
     if impl == "fairscale":
         from fairscale.optim import OSS as FairscaleOSS
 
@@ -125,7 +131,10 @@ def _write_durably(file: str, tensors: list[torch.Tensor]) -> None:
         os.close(fd)
 
 
-def _save(impl: str, opt: Any, path: str, rank: int) -> None:
+def _save(impl: str, opt: Any, path: str, rank: int, model: torch.nn.Module) -> None:
+    if impl in dcp_ckpt.IMPLEMENTATIONS:
+        dcp_ckpt.save(opt, model, path)
+        return
     if impl.startswith("disk floor"):
         _floor_save(opt, path, rank, impl.endswith("sharded"))
         return
@@ -141,8 +150,10 @@ def _save(impl: str, opt: Any, path: str, rank: int) -> None:
         torch.save(opt.state_dict(), os.path.join(path, "optim.pt"))
 
 
-def _load(impl: str, opt: Any, path: str) -> None:
-    if impl.startswith("oss_plus"):
+def _load(impl: str, opt: Any, path: str, model: torch.nn.Module) -> None:
+    if impl in dcp_ckpt.IMPLEMENTATIONS:
+        dcp_ckpt.load(opt, model, path)
+    elif impl.startswith("oss_plus"):
         load_checkpoint(opt, path)
     else:
         file = os.path.join(path, "optim.pt")
@@ -176,17 +187,18 @@ def _rank_main(
     path = os.path.join(root, impl.replace(" ", "_"))
     saves = []
     for _ in range(reps + 1):  # the first is a warm-up: its time is not counted, its RSS is
-        saves.append(_timed(functools.partial(_save, impl, opt, path, rank)))
+        saves.append(_timed(functools.partial(_save, impl, opt, path, rank, model)))
     warmup, saves = saves[0], saves[1:]
     dist.barrier()  # every rank has removed its share of the replaced files
     size = sum(f.stat().st_size for f in Path(path).iterdir()) if rank == 0 else 0
+    written = dcp_ckpt.rank_bytes(impl, path, rank)
     del opt
     gc.collect()
     loads = []
     for _ in range(0 if impl.startswith("disk floor") else reps):
         fresh = _optimizer(impl, model)
         before = rss()
-        seconds, peak, _ = _timed(functools.partial(_load, impl, fresh, path))
+        seconds, peak, _ = _timed(functools.partial(_load, impl, fresh, path, model))
         loads.append((seconds, peak - before))
         del fresh
         gc.collect()
@@ -198,6 +210,7 @@ def _rank_main(
         "save_peak": max(p for _, p, _ in [warmup, *saves]),
         "load_extra": max((e for _, e in loads), default=0),
         "bytes": size,
+        "rank_bytes": written,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -239,6 +252,7 @@ def _summarize(ranks_per_run: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "steady_mb": max(r["steady"] for r in every) / 1e6,
         "load_extra_mb": max(r["load_extra"] for r in every) / 1e6,
         "size_mb": ranks_per_run[0][0]["bytes"] / 1e6,
+        "rank_mb": [r.get("rank_bytes", 0) / 1e6 for r in ranks_per_run[0]],
         "params": every[0]["params"],
     }
 
@@ -285,12 +299,12 @@ def table(summary: dict[str, Any]) -> str:
     lines = [
         "| implementation | save, median (s) | vs fairscale | save, best (s) | vs fairscale "
         "| save CPU, all ranks (s) | vs fairscale | load (s) | peak RSS during save / steady "
-        "| extra RSS during load | on disk |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| extra RSS during load | on disk | written per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for impl, m in summary.items():
         if "skipped" in m:
-            lines.append(f"| {impl} | skipped: {m['skipped']} |" + " |" * 9)
+            lines.append(f"| {impl} | skipped: {m['skipped']} |" + " |" * 10)
             continue
         lines.append(
             f"| {impl} | {m['save_s']:.3f} | {_ratio(base, m, 'save_s')} | "
@@ -298,7 +312,8 @@ def table(summary: dict[str, Any]) -> str:
             f"{m['save_cpu_s']:.3f} | {_ratio(base, m, 'save_cpu_s')} | "
             f"{'-' if m['load_s'] is None else format(m['load_s'], '.3f')} | "
             f"{m['save_rss_ratio']:.2f}x (steady {m['steady_mb']:.0f} MB) | "
-            f"{m['load_extra_mb']:.0f} MB | {m['size_mb']:.0f} MB |"
+            f"{m['load_extra_mb']:.0f} MB | {m['size_mb']:.0f} MB | "
+            f"{' / '.join(f'{x:.1f}' for x in m.get('rank_mb', []))} MB |"
         )
     lines += ["", *floor_lines(summary)]
     return "\n".join(lines)

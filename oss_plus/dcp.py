@@ -1,0 +1,410 @@
+"""``OSS`` in torch's ``torch.distributed.checkpoint`` (DCP) flow, with no gather.
+
+torch's state-dict API (``torch.distributed.checkpoint.state_dict``: ``get_state_dict``,
+``get_optimizer_state_dict``, ``set_state_dict``, ``set_optimizer_state_dict``) calls the
+optimizer's ``state``, ``state_dict()`` and ``load_state_dict()``. When torch's functions
+are the callers (:func:`torch_options`, see ``docs/portability.md``), :class:`oss_plus.OSS`
+answers in a form DCP saves and loads shard by shard:
+
+* ``state_dict()`` (:func:`sharded_state_dict`) returns every param's entry on every rank
+  (torch keys them by FQN), holding only the state this rank owns, as live tensors (no
+  copy, nothing gathered): a param owned whole is the owner's plain tensors (other ranks
+  hold an empty entry); a param ``partition_rule="flat"`` cuts into pieces has each
+  per-element tensor as a ``ShardedTensor`` of the param's shape whose local shards are the
+  rectangles of this rank's piece (:func:`range_blocks`), so ``dcp.save`` writes each
+  element once, from its holder, and a reader sees one tensor per FQN. State that is the
+  same on every holder (a 0-dim ``step``) is written by each holder; DCP keeps one copy.
+* ``load_state_dict()`` (:func:`load_sharded`) takes that form back (or whole tensors, e.g.
+  from ``full_state_dict=True``), keyed by FQN in the optimizer's param order; each rank
+  keeps what it owns now. The layout is DCP's: any world size, any rule.
+* ``state`` (:class:`LocalState`) is this rank's state by param. When torch's
+  ``_init_optim_state`` asks whether the optimizer holds state (else it runs a step with
+  lr 0, which would advance Adam's ``step`` and moments), every rank first checks that
+  every rank came (:mod:`oss_plus._arrival`) and the ranks agree on the answer, so the
+  probe runs on every rank or on none.
+* ``StateDictOptions(full_state_dict=True)``: the whole state, consolidated
+  (:meth:`oss_plus.OSS.consolidate_state_dict`), on every rank; with ``cpu_offload=True``
+  on global rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oss_plus import _arrival, _dist
+from oss_plus.consolidate import ALL_RANKS
+from oss_plus.state import ParamState, pack_param_groups, per_element_keys, validate_state_dict
+
+__all__ = [
+    "ARRIVAL_TIMEOUT",
+    "DCP_NOT_ALL_ARRIVED",
+    "LocalState",
+    "load_sharded",
+    "range_blocks",
+    "sharded_state_dict",
+    "torch_options",
+]
+
+#: How long a rank entering torch's DCP state-dict API waits for the others (None: the
+#: default of :mod:`oss_plus._arrival`).
+ARRIVAL_TIMEOUT: timedelta | None = None
+
+#: Raised on every rank that entered torch's state-dict API when some rank did not.
+DCP_NOT_ALL_ARRIVED = (
+    "torch.distributed.checkpoint.state_dict's get/set functions are collective for "
+    "oss_plus.OSS, but not every one of the {world} ranks of the optimizer's group called "
+    "them within {seconds:g}s (this is rank {rank}): call get_state_dict / set_state_dict "
+    "(and their optimizer variants) on every rank"
+)
+
+#: Raised by :func:`load_sharded` when the state dict does not fit the optimizer.
+GROUPS_DIFFER = (
+    "the optimizer state dict has {given} param groups with {given_sizes} params, but this "
+    "optimizer has {expected} with {expected_sizes}: load a state dict of the same model "
+    "and param groups"
+)
+
+_WHAT = "torch.distributed.checkpoint.state_dict"
+GET, LOAD, PROBE = "_get_optim_state_dict", "_load_optim_state_dict", "_init_optim_state"
+
+
+def _code(name: str) -> Any | None:
+    """The code object of torch's ``state_dict`` module function ``name`` (unwrapped)."""
+    try:
+        from torch.distributed.checkpoint import state_dict as torch_sd
+    except ImportError:  # pragma: no cover - torch without DCP
+        return None
+    fn = getattr(torch_sd, name, None)
+    fn = getattr(fn, "__wrapped__", fn)
+    return getattr(fn, "__code__", None)
+
+
+def _torch_frame(start: FrameType | None) -> FrameType | None:
+    """The first frame above ``start`` that is not oss_plus's own code."""
+    frame = start
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("oss_plus"):
+        frame = frame.f_back
+    return frame
+
+
+def torch_options(kind: str) -> Any | None:
+    """Return torch's ``_StateDictInfo`` when the call comes from torch's function ``kind``.
+
+    ``kind`` is :data:`GET` (``state_dict()`` from ``get_*state_dict``), :data:`LOAD`
+    (``load_state_dict()`` from ``set_*state_dict``) or :data:`PROBE` (``state`` read by
+    ``_init_optim_state``; returns True). None: another caller (a user, a framework).
+    """
+    frame = _torch_frame(sys._getframe(1))
+    code = _code(kind)
+    if frame is None or code is None or frame.f_code is not code:
+        return None
+    return True if kind == PROBE else frame.f_locals.get("info", True)
+
+
+def for_full_load() -> bool:
+    """Whether ``state_dict()`` is called by torch's ``set_*state_dict`` with
+    ``full_state_dict=True`` (``_load_optim_state_dict`` -> ``_get_optim_state_dict``), which
+    takes the result as the template the whole state is distributed into."""
+    frame, load = _torch_frame(sys._getframe(1)), _code(LOAD)
+    for _ in range(3):  # above it: torch.no_grad's wrapper, then torch's load
+        frame = frame.f_back if frame is not None else None
+        if frame is not None and frame.f_code is load:
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- local state
+class LocalState(Mapping[torch.Tensor, ParamState]):
+    """This rank's optimizer state by param: a param it owns whole maps to its state, a
+    param it holds a piece of to the piece's state (1-D tensors), any other param of the
+    optimizer to an empty dict (as a ``defaultdict``). Live: the dicts are the inner
+    optimizer's, and assigning a param's state replaces it there.
+
+    ``bool()`` is the agreed answer of every rank when ``agreed`` is given.
+    """
+
+    def __init__(self, optimizer: Any, agreed: bool | None = None) -> None:
+        shard = optimizer.local_shard
+        self._inner = shard.optim.state
+        self._targets = dict(zip(optimizer.flat_params(), shard.targets.targets()))
+        self._agreed = agreed
+
+    def __getitem__(self, param: torch.Tensor) -> ParamState:
+        target = self._targets[param]
+        return self._inner.get(target, {})
+
+    def __setitem__(self, param: torch.Tensor, state: ParamState) -> None:
+        """Replace the state of a param this rank holds (what Lightning's device moves do)."""
+        self._inner[self._targets[param]] = state
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for p, t in self._targets.items() if self._inner.get(t))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, param: object) -> bool:
+        target = self._targets.get(param)
+        return target is not None and bool(self._inner.get(target))
+
+    def __bool__(self) -> bool:
+        return self._agreed if self._agreed is not None else len(self) > 0
+
+
+def agreed_state(optimizer: Any) -> LocalState:
+    """The ``state`` torch's ``_init_optim_state`` reads: every rank checks that every rank
+    came, then the ranks agree whether any of them holds state.
+
+    .. warning:: Collective: call on every rank of the optimizer's group.
+    """
+    group = optimizer.group
+    try:
+        _arrival.check_arrival(group, _WHAT, ARRIVAL_TIMEOUT)
+    except RuntimeError as exc:
+        timeout = ARRIVAL_TIMEOUT or _arrival.ARRIVAL_TIMEOUT
+        raise RuntimeError(
+            DCP_NOT_ALL_ARRIVED.format(
+                world=dist.get_world_size(group),
+                seconds=timeout.total_seconds(),
+                rank=dist.get_rank(group),
+            )
+        ) from exc
+    optimizer.settle()
+    local = LocalState(optimizer)
+    flags = _dist.agree(None, group, value=int(len(local) > 0))
+    return LocalState(optimizer, agreed=any(flags))
+
+
+# --------------------------------------------------------------------------- chunks (PURE)
+def range_blocks(
+    shape: tuple[int, ...], start: int, end: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut the elements ``[start, end)`` of a C-order tensor of ``shape`` into rectangles.
+
+    Returns ``(offsets, sizes)`` of each rectangle, in element order; each one's elements
+    are contiguous in the flattened tensor, so a 1-D piece holds them back to back (PURE).
+
+    Example:
+        >>> range_blocks((3, 4), 2, 11)
+        [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+        >>> range_blocks((4, 2), 2, 8)
+        [((1, 0), (3, 2))]
+    """
+    if start >= end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+    first, first_off = divmod(start, inner)
+    last, last_off = divmod(end, inner)
+    rest = tuple(shape[1:])
+
+    def rows(row: int, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *o), (1, *s)) for o, s in range_blocks(rest, lo, hi)]
+
+    if first == last:
+        return rows(first, first_off, last_off)
+    blocks = []
+    if first_off:
+        blocks += rows(first, first_off, inner)
+        first += 1
+    if last > first:
+        blocks.append(((first, *(0,) * len(rest)), (last - first, *rest)))
+    if last_off:
+        blocks += rows(last, 0, last_off)
+    return blocks
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _sharded(
+    piece: torch.Tensor, shape: tuple[int, ...], pieces: list[Any], rank: int, group: Any
+) -> Any:
+    """A ``ShardedTensor`` of ``shape``: this rank's shards are views of ``piece`` (1-D)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+    everyone, local = [], []
+    for p in pieces:
+        device = piece.device if p.owner == rank else torch.device(piece.device.type)
+        place = f"rank:{_dist.global_rank(group, p.owner)}/{device}"
+        at = 0
+        for offsets, sizes in range_blocks(shape, p.start, p.end):
+            meta = ShardMetadata(list(offsets), list(sizes), place)
+            everyone.append(meta)
+            if p.owner == rank:
+                view = piece[at : at + _numel(sizes)].view(sizes)
+                local.append(Shard(tensor=view, metadata=meta))
+            at += _numel(sizes)
+    props = TensorProperties(dtype=piece.dtype, requires_grad=False)
+    meta_all = ShardedTensorMetadata(everyone, torch.Size(shape), props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, meta_all, process_group=group
+    )
+
+
+# --------------------------------------------------------------------------- get / load
+def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]:
+    """The DCP form of ``optimizer``'s state (see the module docstring): keyed by flat index
+    (torch maps the keys to FQNs), only what this rank holds, live tensors. With
+    ``template`` (torch's full-state load), every param also gets placeholders of its
+    0-dim and plain entries, which torch expects on every rank.
+
+    .. warning:: Collective: call on every rank of the optimizer's group.
+    """
+
+    def build() -> dict[str, Any]:
+        local = optimizer.export_local_state()
+        plan, rank, group = optimizer.plan, optimizer.rank, optimizer.group
+        state: dict[int, ParamState] = {}
+        for i, param in enumerate(optimizer.flat_params()):
+            mine = plan.piece(rank, i)
+            held = local.get(i, {}) if mine is not None else {}
+            if i not in plan.split or not held:
+                state[i] = dict(held)
+                continue
+            shape, length = tuple(param.shape), mine.end - mine.start
+            state[i] = {
+                k: _sharded(v, shape, plan.pieces_of(i), rank, group)
+                if isinstance(v, torch.Tensor) and v.shape == (length,)
+                else v
+                for k, v in held.items()
+            }
+        return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
+
+    optimizer.settle()
+    result = _dist.run_phase(build, optimizer.group)
+    if template:
+        _add_placeholders(result["state"], optimizer.group)
+    return result
+
+
+def _add_placeholders(state: dict[int, ParamState], group: Any) -> None:
+    """Give every param the entries torch's full-state load expects on every rank: its
+    0-dim tensors and plain values (placeholders, which torch replaces by the loaded ones).
+
+    .. warning:: Collective: call on every rank of ``group``.
+    """
+    mine = {
+        i: {k: str(v.dtype) if isinstance(v, torch.Tensor) else None for k, v in s.items()}
+        for i, s in state.items()
+    }
+    for i, keys in mine.items():
+        for key in [k for k in keys if _per_element(state[i][k])]:
+            del keys[key]
+    for data in _dist.all_gather_bytes(json.dumps(mine).encode(), group):
+        for i, keys in json.loads(data).items():
+            for key, dtype in keys.items():
+                value = torch.zeros((), dtype=getattr(torch, dtype[6:])) if dtype else None
+                state[int(i)].setdefault(key, value)
+
+
+def _per_element(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def full_state_dict(optimizer: Any, cpu_offload: bool) -> dict[str, Any]:
+    """The whole state (``full_state_dict=True``), on CPU: on every rank, or with
+    ``cpu_offload`` on global rank 0 only (where it is in the group; else on every rank).
+
+    .. warning:: Collective: call on every rank of the optimizer's group.
+    """
+    group = optimizer.group
+    ranks = dist.get_process_group_ranks(group)
+    to = ranks.index(0) if cpu_offload and 0 in ranks else ALL_RANKS
+    optimizer.consolidate_state_dict(to)
+    whole = optimizer.consolidated_state or {}
+    state = {i: dict(whole[i]) for i in sorted(whole)}
+    optimizer.drop_consolidated()
+    return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
+
+
+def _local_value(value: Any) -> Any:
+    """A ``ShardedTensor``'s local shards as one 1-D tensor (this rank's piece)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(value, ShardedTensor):
+        return value
+    shards = value.local_shards()
+    if not shards:
+        return None
+    return torch.cat([s.tensor.reshape(-1) for s in shards])
+
+
+def _is_sharded(state: Mapping[str, Any]) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return any(isinstance(v, ShardedTensor) for v in state.values())
+
+
+def _check_whole(
+    optimizer: Any, states: dict[int, ParamState], packed: list[dict[str, Any]]
+) -> None:
+    """Check whole states against the params' shapes, as the plain load does
+    (:func:`oss_plus.state.validate_state_dict`)."""
+    shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
+    sd = {"state": states, "param_groups": packed}
+    validate_state_dict(sd, shapes, per_element_keys(optimizer.optim))
+
+
+def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
+    """Load a state dict torch's ``set_*state_dict`` hands over (keys: FQNs, in the order of
+    the optimizer's param groups; values: this module's form or whole tensors); each rank
+    keeps what it owns now.
+
+    Raises:
+        ValueError: the param groups do not match the optimizer's (raised on every rank).
+
+    .. warning:: Collective: call on every rank of the optimizer's group.
+    """
+
+    def load() -> None:
+        groups = state_dict["param_groups"]
+        given = [len(g["params"]) for g in groups]
+        expected = [len(g["params"]) for g in optimizer.param_groups]
+        if given != expected:
+            raise ValueError(
+                GROUPS_DIFFER.format(
+                    given=len(given),
+                    given_sizes=given,
+                    expected=len(expected),
+                    expected_sizes=expected,
+                )
+            )
+        keys = [k for g in groups for k in g["params"]]
+        plan, rank, saved = optimizer.plan, optimizer.rank, state_dict["state"]
+        states: dict[int, ParamState] = {}
+        for i, key in enumerate(keys):
+            if plan.piece(rank, i) is None or not saved.get(key):
+                continue
+            values = {k: _local_value(v) for k, v in saved[key].items()}
+            states[i] = {k: v for k, v in values.items() if v is not None}
+        packed, start = [], 0
+        for g in groups:
+            packed.append({**g, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        whole = {i: st for i, st in states.items() if not _is_sharded(saved[keys[i]])}
+        _check_whole(optimizer, whole, packed)  # this module's pieces fit by construction
+        optimizer.import_local_state(states, packed)
+
+    optimizer.settle()
+    _dist.run_phase(load, optimizer.group)
