@@ -22,6 +22,11 @@ answers in a form DCP saves and loads shard by shard:
   lr 0, which would advance Adam's ``step`` and moments), every rank first checks that
   every rank came (:mod:`oss_plus._arrival`) and the ranks agree on the answer, so the
   probe runs on every rank or on none.
+* Under a compressed wire (``broadcast_dtype``), the exact values of the params this rank
+  steps (its main copies, ``docs/amp.md``) are the entry ``"oss_plus.main"`` of their state,
+  also in a fresh optimizer's template, so a resume through DCP is exact. A checkpoint
+  without them (DDP's, or one saved without the wire) then needs the wire turned on after
+  the load, or ``DefaultLoadPlanner(allow_partial_load=True)``.
 * ``StateDictOptions(full_state_dict=True)``: the whole state, consolidated
   (:meth:`oss_plus.OSS.consolidate_state_dict`), on every rank; with ``cpu_offload=True``
   on global rank 0 only.
@@ -41,6 +46,7 @@ import torch.distributed as dist
 
 from oss_plus import _arrival, _dist
 from oss_plus.consolidate import ALL_RANKS
+from oss_plus.main_copy import MAIN_KEY
 from oss_plus.state import ParamState, pack_param_groups, per_element_keys, validate_state_dict
 
 __all__ = [
@@ -274,6 +280,7 @@ def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]
 
     def build() -> dict[str, Any]:
         local = optimizer.export_local_state()
+        _add_main_entries(optimizer, local)
         plan, rank, group = optimizer.plan, optimizer.rank, optimizer.group
         state: dict[int, ParamState] = {}
         for i, param in enumerate(optimizer.flat_params()):
@@ -296,6 +303,24 @@ def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]
     if template:
         _add_placeholders(result["state"], optimizer.group)
     return result
+
+
+def _add_main_entries(optimizer: Any, local: dict[int, ParamState]) -> None:
+    """Under a compressed wire, give every tensor this rank steps a :data:`MAIN_KEY` entry
+    (a copy of its values where it has no main copy yet: a fresh optimizer's values are
+    exact), so that the template a fresh optimizer gives ``dcp.load`` asks for the saved
+    exact values (DCP loads only the keys of its template; ``docs/checkpoints.md``)."""
+    wire = optimizer.wire_dtype
+    if wire is None:
+        return
+    shard = optimizer.local_shard
+    targets = shard.targets.targets()
+    for indices in shard.plan.local_indices(shard.rank):
+        for i in indices:
+            target = targets[i]
+            wider = target.is_floating_point() and target.element_size() > wire.itemsize
+            if wider and MAIN_KEY not in local.get(i, {}):
+                local.setdefault(i, {})[MAIN_KEY] = target.detach().clone()
 
 
 def _add_placeholders(state: dict[int, ParamState], group: Any) -> None:

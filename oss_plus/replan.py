@@ -172,7 +172,9 @@ class Replanner:
             if not isinstance(v, torch.Tensor) or v.numel() != targets[i].numel():
                 shape = tuple(targets[i].shape)
                 raise ValueError(BAD_MAIN.format(index=i, shape=shape, got=_shape_of(v)))
-        return exact
+        # copies: the values may be views of the main copies they are about to replace (a
+        # state dict this optimizer exported, e.g. the template DCP loads into in place)
+        return {i: v.detach().clone() for i, v in exact.items()}
 
     def give_main(self, exact: Mapping[int, torch.Tensor]) -> None:
         """Give the main copies the values :meth:`main_for` returned. Not collective."""
