@@ -10,9 +10,12 @@ region in the params' dtype:
   region`` (rounded), ``region <- wire`` (the owner holds what every rank receives); then it
   records the version counter (``Tensor._version``) of every param whose memory lies in the
   region;
-* before its next local step: :meth:`MainCopy.restore` puts the exact values back. When no
-  version moved (nothing wrote into those params since), that is one copy of the region;
-  when one did (``model.load_state_dict``, ``p.mul_()`` under ``no_grad``, any in-place
+* before its next local step the inner optimizer steps ``main`` itself
+  (:mod:`oss_plus.main_step`; :meth:`MainCopy.absorb` first takes any write since the sync,
+  and the next send rounds ``main``, not the region), or, for a region it cannot step that
+  way, :meth:`MainCopy.restore` puts the exact values back. When no version moved
+  (nothing wrote into those params since), that is nothing (one copy of the region for a
+  restore); when one did (``model.load_state_dict``, ``p.mul_()`` under ``no_grad``, any in-place
   write through the param), element by element where the region still holds the value the
   sync gave it: an element changed in between keeps its new value, and its main value
   follows it. Writes through ``p.data`` bypass the version counter: call

@@ -13,8 +13,8 @@ a transport of our own that only works on one host, and it was removed).
 
 Compression (fp16/bf16 wire): the owner rounds its region into a preallocated wire buffer,
 sent instead, and rounds its own region the same way (receivers widen): every replica holds
-the same values. Its exact values stay in a main copy (:mod:`oss_plus.main_copy`) that
-:meth:`BucketSync.restore` puts back before its next local step.
+the same values. Its exact values stay in a main copy (:mod:`oss_plus.main_copy`) that its
+inner optimizer steps (:meth:`BucketSync.restore`, :mod:`oss_plus.main_step`).
 
 World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
 storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
