@@ -10,9 +10,12 @@ region in the params' dtype:
   region`` (rounded), ``region <- wire`` (the owner holds what every rank receives); then it
   records the version counter (``Tensor._version``) of every param whose memory lies in the
   region;
-* before its next local step: :meth:`MainCopy.restore` puts the exact values back. When no
-  version moved (nothing wrote into those params since), that is one copy of the region;
-  when one did (``model.load_state_dict``, ``p.mul_()`` under ``no_grad``, any in-place
+* before its next local step the inner optimizer steps ``main`` itself
+  (:mod:`oss_plus.main_step`; :meth:`MainCopy.absorb` first takes any write since the sync,
+  and the next send rounds ``main``, not the region), or, for a region it cannot step that
+  way, :meth:`MainCopy.restore` puts the exact values back. When no version moved
+  (nothing wrote into those params since), that is nothing (one copy of the region for a
+  restore); when one did (``model.load_state_dict``, ``p.mul_()`` under ``no_grad``, any in-place
   write through the param), element by element where the region still holds the value the
   sync gave it: an element changed in between keeps its new value, and its main value
   follows it. Writes through ``p.data`` bypass the version counter: call
@@ -54,6 +57,7 @@ class _Mode(enum.Enum):
     SENT = "sent"  # main holds the exact values of what the last sync rounded
     LOADED = "loaded"  # main holds exact values from a load or a repartition
     RESTORED = "restored"  # the region holds the exact values (nothing to put back)
+    STEPPED = "stepped"  # main holds the exact values, the inner optimizer steps it
 
 
 def offset_in(tensor: torch.Tensor, region: torch.Tensor) -> int | None:
@@ -103,6 +107,8 @@ class MainCopy:
         self.mode = _Mode.RESTORED
         self._versions: list[int] = []
         self._compare = False  # written(): compare every element at the next restore
+        #: ``(generation, pairs)`` of :class:`oss_plus.main_step.Plans`, or None
+        self.redirects: tuple[int, Any] | None = None
 
     @property
     def wire(self) -> torch.dtype | None:
@@ -115,12 +121,20 @@ class MainCopy:
         return self.main.nbytes
 
     @torch.no_grad()
-    def send(self, sent: torch.Tensor) -> None:
+    def send(self, sent: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """Keep the region's exact values, write them rounded into ``sent`` (the wire copy)
-        and round the region the same way; record the writers' versions."""
+        and round the region the same way; record the writers' versions. After a step of
+        the main copy itself (:meth:`absorb`) the main values are rounded (two passes
+        instead of three); the status ``slot`` (a view of the region) is taken first."""
         self.sent = sent
-        self.main.copy_(self.region)
-        sent.copy_(self.region)
+        if self.mode is _Mode.STEPPED:
+            at = None if slot is None else offset_in(slot, self.region)
+            if slot is not None and at is not None:
+                self.main[at : at + slot.numel()].copy_(slot.reshape(-1))
+            sent.copy_(self.main)
+        else:
+            self.main.copy_(self.region)
+            sent.copy_(self.region)
         self.region.copy_(sent)
         self._versions = list(map(_VERSION, self.writers))
         self.mode, self._compare = _Mode.SENT, False
@@ -151,7 +165,7 @@ class MainCopy:
         not a copy: read it before the next step)."""
         if self.mode is _Mode.RESTORED:
             return self.region
-        if self._clean():
+        if self.mode is _Mode.STEPPED or self._clean():
             return self.main
         return torch.where(self._kept(), self.main, self.region)
 
@@ -160,11 +174,22 @@ class MainCopy:
         """Put the exact values back where the region still holds them rounded."""
         if self.mode is _Mode.RESTORED:
             return
-        if self._clean():
+        if self.mode is _Mode.STEPPED or self._clean():
             self.region.copy_(self.main)
         else:
             torch.where(self._kept(), self.main, self.region, out=self.region)
         self.mode = _Mode.RESTORED
+
+    @torch.no_grad()
+    def absorb(self) -> None:
+        """Before a local step that steps ``main`` itself (:mod:`oss_plus.main_step`): make
+        it the exact values of the region now. Nothing to do when nothing was written
+        since the sync; else an element changed in between gives ``main`` its new value."""
+        if self.mode is _Mode.RESTORED:
+            self.main.copy_(self.region)
+        elif not self._clean():
+            torch.where(self._kept(), self.main, self.region, out=self.main)
+        self.mode = _Mode.STEPPED
 
     @torch.no_grad()
     def load(self, at: int, values: torch.Tensor) -> None:
@@ -227,20 +252,35 @@ class MainCopies:
             self.held[id(holder)] = holder
         return main
 
-    def send(self, holder: Any, region: torch.Tensor, sent: torch.Tensor) -> None:
-        """Round ``region`` (``holder``'s) into ``sent`` and itself, keeping its exact values."""
-        self._copy_of(holder, region).send(sent)
+    def send(self, holder: Any, region: torch.Tensor, sent: torch.Tensor, slot: Any = None) -> None:
+        """Round ``region`` (``holder``'s, ``slot`` its status slot or None) into ``sent``
+        and itself, keeping its exact values."""
+        self._copy_of(holder, region).send(sent, slot)
 
-    def restore(self, compressed: Any, keys: set[int] | None = None) -> None:
+    def restore(self, compressed: Any, keys: set[int] | None = None, plan: Any = None) -> list[Any]:
         """Put the exact values back (of the holders of ``keys`` only, when given); drop the
-        copies of regions that ``compressed(dtype)`` says no longer travel compressed."""
+        copies of regions that ``compressed(dtype)`` says no longer travel compressed.
+
+        With ``plan`` (``plan(main)``: :func:`oss_plus.main_step.redirects` or None), a
+        region that still travels compressed and has a plan is not restored: its main copy
+        takes the writes since the sync (:meth:`MainCopy.absorb`) and the plan's pairs are
+        returned, for the inner optimizer to step the main values themselves."""
+        pairs: list[Any] = []
         for key, holder in list(self.held.items()):
             main = holder.main
-            if main is not None and (keys is None or key in keys):
-                main.restore()
-                if not compressed(main.region.dtype):
-                    holder.main = None
-                    del self.held[key]
+            if main is None or (keys is not None and key not in keys):
+                continue
+            keep = compressed(main.region.dtype)
+            found = plan(main) if keep and plan is not None else None
+            if found is not None:
+                main.absorb()
+                pairs += found
+                continue
+            main.restore()
+            if not keep:
+                holder.main = None
+                del self.held[key]
+        return pairs
 
     def written(self) -> None:
         """Compare every element at the next restore (see :meth:`MainCopy.written`)."""

@@ -326,10 +326,10 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         copy_hyper(self.param_groups, self.optim.param_groups)
         if closure is not None:
             kwargs["closure"] = closure
-        sync = replan.sync
-        if isinstance(sync, BucketSync):
-            sync.restore(self.wire_dtype)  # exact values of what went compressed
-        loss, error = self._shard.step(kwargs)
+        sync, redirect = replan.sync, None
+        if isinstance(sync, BucketSync):  # the exact values of what went compressed are stepped
+            redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
+        loss, error = self._shard.step(kwargs, redirect)
         self._driver.send(sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss

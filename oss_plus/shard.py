@@ -11,6 +11,7 @@ changes (:meth:`LocalShard.adopt`). :class:`oss_plus.OSS` owns one; it communica
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from oss_plus import _dist, _params
 from oss_plus._trace import label
 from oss_plus.consolidate import whole_states
 from oss_plus.main_copy import MAIN_KEY, split_main
+from oss_plus.main_step import Redirect
 from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
@@ -66,19 +68,26 @@ class LocalShard:
         world = self.plan.world_size
         return make_plan(specs, world, policy, keep=self.plan if keep else None)
 
-    def step(self, kwargs: dict[str, Any]) -> tuple[Any, Exception | None]:
+    def step(
+        self, kwargs: dict[str, Any], redirect: Redirect | None = None
+    ) -> tuple[Any, Exception | None]:
         """The local step: the inner optimizer over this rank's tensors (a split param's
-        piece gets its gradient first). Returns its result and what it raised (captured:
-        the sync still runs, :func:`oss_plus._dist.capture`)."""
+        piece gets its gradient first; inside ``redirect``: those pointed at their main
+        copies, :mod:`oss_plus.main_step`). Returns its result and what it raised
+        (captured: the sync still runs, :func:`oss_plus._dist.capture`)."""
         targets = self.targets
         if targets.tensors:
             targets.set_grads()
-        with label("oss_plus::local_step"):
+        with label("oss_plus::local_step"), redirect or contextlib.nullcontext():
             loss, error = _dist.capture(lambda: self.optim.step(**kwargs))
         if targets.tensors:
             targets.clear_grads()
             targets.given.clear()  # consumed
         return loss, error
+
+    def stepped(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer steps (a new list)."""
+        return [t for g in self.optim.param_groups for t in g["params"]]
 
     def flat_params(self) -> list[torch.Tensor]:
         """Every param of every global group, in flat-index order (a new list)."""

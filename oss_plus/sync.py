@@ -13,8 +13,8 @@ a transport of our own that only works on one host, and it was removed).
 
 Compression (fp16/bf16 wire): the owner rounds its region into a preallocated wire buffer,
 sent instead, and rounds its own region the same way (receivers widen): every replica holds
-the same values. Its exact values stay in a main copy (:mod:`oss_plus.main_copy`) that
-:meth:`BucketSync.restore` puts back before its next local step.
+the same values. Its exact values stay in a main copy (:mod:`oss_plus.main_copy`) that its
+inner optimizer steps (:meth:`BucketSync.restore`, :mod:`oss_plus.main_step`).
 
 World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
 storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
@@ -53,6 +53,7 @@ from oss_plus._trace import label
 from oss_plus.changes import Addresses
 from oss_plus.inflight import InFlight, Pending
 from oss_plus.main_copy import MainCopies
+from oss_plus.main_step import Plans, Redirect
 from oss_plus.partition import Rule
 from oss_plus.plan import Layout, ShardPlan, ShardPolicy
 from oss_plus.split_params import SplitParams
@@ -120,6 +121,7 @@ class BucketSync:
             self._broadcast, self.gathers, self.rank, self._addresses.tensors
         )
         self._holding: dict[int, list[Bucket]] | None = None
+        self._plans = Plans()  # which stepped tensors step which main copy
 
     # ----------------------------------------------------------------- inspection
     def is_intact(self) -> bool:
@@ -211,17 +213,24 @@ class BucketSync:
 
     # ----------------------------------------------------------------- syncing
     @torch.no_grad()
-    def restore(self, wire: torch.dtype | None, buckets: Sequence[Bucket] | None = None) -> None:
+    def restore(
+        self,
+        wire: torch.dtype | None,
+        buckets: Sequence[Bucket] | None = None,
+        stepped: Callable[[], Sequence[torch.Tensor]] | None = None,
+    ) -> Redirect:
         """Before the local step: the pieces this rank steps of params that span buckets
         take the params' values (:meth:`oss_plus.split_params.SplitParams.refresh`); then
         the regions this rank sent compressed get their exact values back
         (:meth:`oss_plus.main_copy.MainCopy.restore`; of ``buckets`` only when given). A
-        region that will travel uncompressed with ``wire`` drops its copy. Not collective."""
+        region that will travel uncompressed with ``wire`` drops its copy. With
+        ``stepped()`` (the tensors the inner optimizer steps), a region still compressed
+        returns them pointed at its main values instead (:mod:`oss_plus.main_step`: enter
+        the result around the local step). Not collective."""
         self.splits.refresh()
-        if self.mains.held:
-            keys = None if buckets is None else {id(b) for b in buckets}
-            compressed = functools.partial(_compressed, wire=wire)
-            self.mains.restore(compressed, keys)
+        keys = None if buckets is None else {id(b) for b in buckets}
+        compressed = functools.partial(_compressed, wire=wire)
+        return self._plans.restore(self.mains, compressed, keys, stepped)
 
     @torch.no_grad()
     def launch(self, wire: torch.dtype | None, code: int = OK) -> InFlight:
@@ -280,7 +289,7 @@ class BucketSync:
             mine = out[self.rank * g.region : (self.rank + 1) * g.region]
             if dtype is not None:
                 region = g.flat[self.rank * g.region : (self.rank + 1) * g.region]
-                self.mains.send(g, region, mine)
+                self.mains.send(g, region, mine, g.slot(self.rank) if g.slots else None)
             held = list(zip((out, mine), _dist.use_counts((out, mine))))
             key = (g.flat.device, g.flat.dtype)
             brought = [  # one gather per (device, dtype) brings all its buckets
@@ -338,7 +347,7 @@ class BucketSync:
         dtype = wire_dtype_for(flat.dtype, wire)
         tensor = flat if dtype is None else bucket.wire_buffer(dtype)
         if dtype is not None and mine:
-            self.mains.send(bucket, flat, tensor)
+            self.mains.send(bucket, flat, tensor, slot)
         src = _dist.global_rank(self.group, bucket.owner)
         held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)

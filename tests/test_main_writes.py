@@ -1,9 +1,9 @@
-"""In-place writes into params between compressed steps are kept (issue 36): the owner puts
-its exact values back only where nothing wrote since the sync (version counters; after a
-write through ``p.data``, ``opt.sync.written()``). Compared, after every step, with an
-independent reference: the unsharded Adam on fp32 main params whose model holds them rounded
-to the wire; a write goes into that model, and the main params follow it in every element
-it changed (the uncompressed optimizer would step the written values)."""
+"""In-place writes into params between compressed steps are kept (issue 36): the owner's main
+copy (which its inner optimizer steps) takes the elements written since the sync (version
+counters; after a write through ``p.data``, ``opt.sync.written()``). Compared, after every
+step, with an independent reference: the unsharded Adam on fp32 main params whose model
+holds them rounded to the wire; a write goes into that model, and the main params follow it
+in every element it changed (the uncompressed optimizer would step the written values)."""
 
 from __future__ import annotations
 
@@ -140,3 +140,42 @@ def test_a_step_without_writes_puts_the_exact_values_back_without_comparing(pool
     # after the write: the owner of the written param compares its region
     assert sorted(map(len, (seen[3] for seen in results))) == [0, 2]
     assert {"aten::eq", "aten::where"} in [seen[3] for seen in results]
+
+
+def stepped_memory_task(ctx, rule):
+    """Where the tensors the inner optimizer steps live during its step: in the main copies
+    (once they exist), and back in their buckets after it."""
+    model = make_model(depth=4)
+    opt = OSS(
+        model.parameters(),
+        optim=torch.optim.Adam,
+        group=ctx.group,
+        lr=LR,
+        partition_rule=rule,
+        broadcast_dtype=torch.bfloat16,
+    )
+    seen = []
+
+    def where(optimizer, args, kwargs):
+        mains = [h.main.main for h in opt.sync.mains.held.values()]
+        spans = [(m.data_ptr(), m.data_ptr() + m.nbytes) for m in mains]
+        tensors = [t for g in optimizer.param_groups for t in g["params"]]
+        seen.append([any(a <= t.data_ptr() < b for a, b in spans) for t in tensors])
+
+    opt.optim.register_step_pre_hook(where)
+    for step in range(3):
+        opt.zero_grad()
+        backward(model, step)
+        opt.step()
+    return seen, opt.sync.is_intact()
+
+
+@pytest.mark.parametrize("rule", ["fairscale", "flat"])
+def test_the_inner_optimizer_steps_the_main_copies_themselves(pool, rule):
+    """Issue 36 item 4 (Megatron-Core's layout): from the second compressed step on, every
+    tensor the inner optimizer steps is its main copy (no restore before the step, no keep
+    after it); after the step every param is a view of its bucket again."""
+    for seen, intact in pool.run(stepped_memory_task, rule, world_size=2):
+        assert intact
+        assert seen[0] and not any(seen[0])  # the first step: no main copy yet
+        assert all(seen[1]) and all(seen[2]), seen
