@@ -137,3 +137,16 @@ PATCHED = textwrap.dedent(
 def test_install_with_fairscale_replaces_data_parallel_only_when_asked():
     pytest.importorskip("fairscale")
     _run_ok(PATCHED)
+
+
+def test_install_registers_the_exit_handler_at_once():
+    """A process that installs the adapter may train with torch's collectives only (no
+    ``OSS``, so no oss_plus collective ever registers the handler): ``install()`` does
+    (``oss_plus._exit``; issue 36)."""
+    code = (
+        "import oss_plus._exit as e, oss_plus.compat.fairscale as f\n"
+        "assert not e._registered\n"
+        "f.install()\n"
+        "assert e._registered\n"
+    )
+    run_python(["-c", code])

@@ -9,7 +9,9 @@ lists the same APIs, and a test keeps that table and :data:`PRIVATE` in step.
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus import _arrival, _norms
+from oss_plus import _arrival, _exit, _norms
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "portability.md"
 #: Each private API -> the module of oss_plus that uses it.
@@ -36,6 +38,7 @@ PRIVATE = {
     "Module._parameters": "oss_plus/data_parallel/sharded_ddp.py",
     "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
     "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
+    "ProcessGroupGloo.pt_gloo_runloop": "oss_plus/_exit.py",
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
@@ -180,9 +183,12 @@ def test_arrival_check_falls_back_when_torch_has_no_default_store_getter(pool):
     assert pool.run(arrival_without_store_task, world_size=2) == [None, None]
 
 
-#: The APIs reachable without a process group (DDP's flag: the pool test above).
+#: The APIs reachable without a process group (DDP's flag and gloo's thread name: the pool
+#: tests).
 WITHOUT_GROUP = sorted(
-    n for n in PRIVATE if not n.startswith("DistributedDataParallel.") and n not in OPTIONAL
+    n
+    for n in PRIVATE
+    if not n.startswith(("DistributedDataParallel.", "ProcessGroupGloo.")) and n not in OPTIONAL
 )
 
 
@@ -255,3 +261,23 @@ def test_the_address_check_sees_a_replaced_data_with_either_loop(monkeypatch, lo
     assert kept.intact()
     params[1].data = torch.zeros(4)  # re-allocated, the old storage still alive in base
     assert not kept.intact()
+
+
+def gloo_worker_names_task(ctx):
+    """The names of this process's threads after a gloo collective (Linux)."""
+    dist.all_reduce(torch.ones(2), group=ctx.group)
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            names.append(comm.read().strip())
+    time.sleep(0.05)
+    return names, _exit.busy_gloo_workers()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+def test_gloo_worker_threads_carry_the_name_the_exit_handler_waits_for(pool):
+    """``oss_plus._exit`` waits at exit while threads named so are runnable: a renamed
+    thread would leave only the fixed pause."""
+    for names, busy in pool.run(gloo_worker_names_task, world_size=2):
+        assert set(_exit.GLOO_WORKER_NAMES) <= set(names), sorted(set(names))
+        assert busy == 0  # idle after the collective

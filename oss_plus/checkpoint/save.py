@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from oss_plus import _dist
+from oss_plus import _arrival, _dist
 from oss_plus.checkpoint import background, comm, storage
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
@@ -113,15 +113,16 @@ def save_checkpoint(
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "save_checkpoint")
-    optimizer.settle()  # the last step's sync done and its status raised on every rank
-    saver = background.saver_of(optimizer)
-    saver.settle()
-    if blocking:
-        execute(make_plan(optimizer, path, sharded), optimizer.group)
-        return None
-    group = saver.group
-    plan = make_plan(optimizer, path, sharded, snapshot=saver.staging.copy)
-    return saver.submit(lambda: execute(plan, group), plan.target)
+    with _arrival.entry(optimizer.group, "save_checkpoint()"):
+        optimizer.settle()  # the last step's sync done and its status raised on every rank
+        saver = background.saver_of(optimizer)
+        saver.settle()
+        if blocking:
+            execute(make_plan(optimizer, path, sharded), optimizer.group)
+            return None
+        group = saver.group
+        plan = make_plan(optimizer, path, sharded, snapshot=saver.staging.copy)
+        return saver.submit(lambda: execute(plan, group), plan.target)
 
 
 def make_plan(
