@@ -1,49 +1,105 @@
 """Check that every rank of a group entered a collective call, before it communicates.
 
-Frameworks call ``optimizer.state_dict()`` either on every rank (Accelerate, Ignite) or on
-the saving rank only (the Hugging Face Trainer). Under ``collective_state_dict=True`` the call
-is collective, so a rank that enters it alone would wait forever in its first send or recv.
-:func:`check_arrival` runs first: every caller registers on the default process group's
-key-value store (out of band, nothing is sent on ``group``) and waits at most
-:data:`ARRIVAL_TIMEOUT` for the others. When they do not all come, every rank that came raises
-RuntimeError (:data:`NOT_ALL_ARRIVED`) instead of hanging; the ranks that never called are not
-involved and go on (their next collective with the failed rank then fails as usual).
+A collective call made on some ranks only (``consolidate_state_dict()`` from the saving rank
+alone, as mmengine's ``CheckpointHook`` does; a clip or a checkpoint save inside an
+``if rank == 0:``) would otherwise wait in its first collective for the process group's
+timeout (30 minutes by default). Every collective entry point of oss_plus runs
+:func:`entry` first: each caller registers on the default process group's key-value store
+(out of band, nothing is sent on ``group``) and waits at most the arrival timeout for the
+others. When they do not all come, every rank that came raises RuntimeError
+(:data:`NOT_ALL_ARRIVED`, naming the call) instead of hanging; the ranks that never called
+are not involved and go on (their next collective with the failed rank then fails as usual).
 
-Protocol, per group and per successful call ``n`` (every rank counts its own calls; they
-agree because a call succeeds on all ranks or on none): each caller adds 1 to a counter; the
-one that completes it sets the decision key to ``go`` with compare-and-set; a caller that
-times out sets it to ``abort`` the same way. Whichever comes first decides for everyone, so
-a late arrival and a timeout never disagree. An aborted attempt is retired (the next call
-uses a fresh key), so the check can be used again once the call sites are fixed.
+The API, for any collective entry point (``with`` around its body)::
+
+    with _arrival.entry(group, "save_checkpoint()"):
+        ...  # the collectives
+
+:func:`entry` checks once per outermost call: an entry point that calls another on the same
+group (``state_dict(all_ranks=True)`` consolidates) is checked once, under the outer name.
+:func:`check_arrival` is the bare check (not skipped when nested).
+
+The arrival timeout is :data:`ARRIVAL_TIMEOUT` (60 s), or the seconds in the environment
+variable :data:`ARRIVAL_TIMEOUT_ENV`. A rank that legitimately arrives later than that (it
+evaluated alone before a checkpoint) makes its peers raise: raise the timeout then.
+
+Protocol, per group (its global ranks), per successful call ``n`` (every rank counts its own
+successful calls; they agree because a call succeeds on all ranks or on none) and per name:
+the callers add 1 to the counter of key ``n/what/attempt``; the one that completes it sets
+the decision to ``go`` with compare-and-set; a caller that times out sets ``abort`` the same
+way. Whichever comes first decides for everyone, so a late arrival and a timeout never
+disagree. An aborted attempt is poisoned (its counter raised by :data:`_POISON`) and retired:
+every rank that sees it (the callers then, the others at their next call of that name, whose
+increment returns the poisoned count) moves to ``attempt + 1``, so the check can be used
+again once the call sites are fixed. On the common path a rank makes 2 or 3 store round trips
+(the increment, then the compare-and-set or the wait and the read) plus at most one delete:
+the keys of call ``n - 1`` are deleted at call ``n`` (every rank has left it then), spread
+over the ranks, so the store holds the keys of one call per group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ARRIVAL_TIMEOUT", "NOT_ALL_ARRIVED", "check_arrival"]
+__all__ = [
+    "ARRIVAL_TIMEOUT",
+    "ARRIVAL_TIMEOUT_ENV",
+    "BAD_ARRIVAL_TIMEOUT",
+    "NOT_ALL_ARRIVED",
+    "arrival_timeout",
+    "check_arrival",
+    "entry",
+]
 
 logger = logging.getLogger(__name__)
 
-#: How long a rank waits for the others to enter a collective ``state_dict()``. Ranks reach
-#: a checkpoint save at nearly the same time; a rank left alone raises after this delay.
+#: How long a rank waits for the others to enter a collective call. Ranks reach a checkpoint
+#: save or a clip at nearly the same time; a rank left alone raises after this delay.
 ARRIVAL_TIMEOUT = timedelta(seconds=60)
+
+#: Environment variable overriding :data:`ARRIVAL_TIMEOUT` (seconds, > 0).
+ARRIVAL_TIMEOUT_ENV = "OSS_PLUS_ARRIVAL_TIMEOUT"
+
+#: Raised when :data:`ARRIVAL_TIMEOUT_ENV` is not a positive number.
+BAD_ARRIVAL_TIMEOUT = ARRIVAL_TIMEOUT_ENV + " must be a positive number of seconds, got {value!r}"
 
 #: Raised on every rank that entered the call when some ranks of the group did not.
 NOT_ALL_ARRIVED = (
-    "{what} is collective (collective_state_dict=True) but only {arrived} of the {world} "
-    "ranks of the process group called it within {seconds:g}s (this is rank {rank}): call it "
-    "on every rank, or call consolidate_state_dict() on every rank first and then "
-    "state_dict() on the saving rank only (see docs/integrations.md)"
+    "{what} is collective but only {arrived} of the {world} ranks of the process group called "
+    "it within {seconds:g}s (this is rank {rank}): call it on every rank of the group{hint}. A "
+    "rank that comes later on purpose (it evaluated alone first) needs a longer "
+    + ARRIVAL_TIMEOUT_ENV
 )
 
 _GO, _ABORT = b"go", b"abort"
-#: Successful calls so far, per group (its global ranks).
-_calls: dict[tuple[int, ...], int] = {}
+#: Added to the counter of an aborted attempt: a later increment returns at least this.
+_POISON = 1 << 40
+
+
+@dataclass
+class _Group:
+    """What a process counts for one group: successful calls, retired attempts per name
+    (since the last success) and the last successful key (deleted at the next success)."""
+
+    calls: int = 0
+    attempts: dict[str, int] = field(default_factory=dict)
+    last: str | None = None
+
+
+#: Per group (its global ranks), for the default store of ``_state_store``.
+_groups: dict[tuple[int, ...], _Group] = {}
+_state_store: list[int] = [0]  # id() of the store the counts belong to (a new init resets)
+_lock = threading.Lock()
+_local = threading.local()  # .active: the groups this thread is inside an entry() of
 
 
 def _store() -> Any | None:
@@ -55,13 +111,46 @@ def _store() -> Any | None:
         return None
 
 
-def check_arrival(group: Any, what: str, timeout: timedelta | None = None) -> None:
+def arrival_timeout() -> timedelta:
+    """The arrival timeout now: :data:`ARRIVAL_TIMEOUT_ENV` when set, else
+    :data:`ARRIVAL_TIMEOUT`.
+
+    Raises:
+        ValueError: the environment variable is not a positive number.
+    """
+    value = os.environ.get(ARRIVAL_TIMEOUT_ENV, "").strip()
+    if not value:
+        return ARRIVAL_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(BAD_ARRIVAL_TIMEOUT.format(value=value))
+    return timedelta(seconds=seconds)
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _counts(store: Any, ranks: tuple[int, ...]) -> _Group:
+    if _state_store[0] != id(store):  # a new default group: every rank starts again
+        _groups.clear()
+        _state_store[0] = id(store)
+    return _groups.setdefault(ranks, _Group())
+
+
+def check_arrival(
+    group: Any, what: str, timeout: timedelta | None = None, *, hint: str = ""
+) -> None:
     """Return once every rank of ``group`` called this with the same ``what``; else raise.
 
     Args:
         group: the process group (None: WORLD).
-        what: names the call in keys and errors, e.g. ``"OSS.state_dict()"``.
-        timeout: how long to wait for the other ranks (default :data:`ARRIVAL_TIMEOUT`).
+        what: names the call in keys and errors, e.g. ``"consolidate_state_dict()"``.
+        timeout: how long to wait for the other ranks (default: :func:`arrival_timeout`).
+        hint: appended to the error's advice (how the call is meant to be made).
 
     Raises:
         RuntimeError: some rank did not call within ``timeout`` (raised on every rank that
@@ -73,32 +162,85 @@ def check_arrival(group: Any, what: str, timeout: timedelta | None = None) -> No
     world = dist.get_world_size(group)
     if store is None or world == 1:
         return
-    timeout = ARRIVAL_TIMEOUT if timeout is None else timeout
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    calls = _calls.get(ranks, 0)
-    base = f"oss_plus/arrival/{what}/{'-'.join(map(str, ranks))}/{calls}"
-    key = f"{base}/{store.add(f'{base}/attempt', 0)}"
-    arrived = store.add(f"{key}/count", 1)
-    if arrived == world:
-        decision = store.compare_set(f"{key}/decision", "", _GO)
-    else:
-        try:
-            store.wait([f"{key}/decision"], timeout)
-            decision = store.get(f"{key}/decision")
-        except RuntimeError:  # DistStoreError: the others did not come in time
-            decision = store.compare_set(f"{key}/decision", "", _ABORT)
-            if decision == _ABORT and store.add(f"{key}/retired", 1) == 1:
-                store.add(f"{base}/attempt", 1)
+    timeout = arrival_timeout() if timeout is None else timeout
+    ranks = _ranks(group)
+    prefix = f"oss_plus/arrival/{'-'.join(map(str, ranks))}"
+    with _lock:
+        counts = _counts(store, ranks)
+    while True:
+        attempt = counts.attempts.get(what, 0)
+        key = f"{prefix}/{counts.calls}/{what}/{attempt}"
+        arrived = store.add(f"{key}/count", 1)
+        if arrived >= _POISON:  # aborted before this rank came: retired, try the next one
+            counts.attempts[what] = attempt + 1
+            continue
+        if arrived == world:
+            decision = store.compare_set(f"{key}/decision", "", _GO)
+        else:
+            try:
+                store.wait([f"{key}/decision"], timeout)
+                decision = store.get(f"{key}/decision")
+            except RuntimeError:  # DistStoreError: the others did not come in time
+                decision = store.compare_set(f"{key}/decision", "", _ABORT)
+        break
     if decision != _GO:
-        rank = dist.get_rank(group)
-        arrived = store.add(f"{key}/count", 0)
+        arrived = store.add(f"{key}/count", _POISON) % _POISON  # retire it for the others
+        counts.attempts[what] = attempt + 1
         raise RuntimeError(
             NOT_ALL_ARRIVED.format(
                 what=what,
                 arrived=arrived,
                 world=world,
                 seconds=timeout.total_seconds(),
-                rank=rank,
+                rank=dist.get_rank(group),
+                hint=hint,
             )
         )
-    _calls[ranks] = calls + 1
+    last, counts.last = counts.last, key
+    counts.calls += 1
+    counts.attempts.clear()
+    if last is not None:  # every rank has left the previous call: its keys go
+        position = ranks.index(dist.get_rank())
+        for i, suffix in enumerate(("count", "decision")):
+            if i % world == position:
+                store.delete_key(f"{last}/{suffix}")
+
+
+@contextlib.contextmanager
+def entry(
+    group: Any, what: str, *, hint: str = "", timeout: timedelta | None = None
+) -> Iterator[None]:
+    """Run the block of a collective entry point once every rank of ``group`` entered it.
+
+    :func:`check_arrival` first, unless this thread is already inside an :func:`entry` of
+    the same group (an entry point called by another: checked once, as the outer one).
+
+    Args:
+        group: the process group the call communicates over (None: WORLD).
+        what: names the call in the error, e.g. ``"save_checkpoint()"``.
+        hint: appended to the error's advice.
+        timeout: default :func:`arrival_timeout`.
+
+    Raises:
+        RuntimeError: some rank did not enter within the timeout (:data:`NOT_ALL_ARRIVED`,
+            on every rank that did).
+
+    Example:
+        >>> with entry(opt.group, "consolidate_state_dict()"):  # doctest: +SKIP
+        ...     exchange()
+
+    .. warning:: Collective: enter on every rank of ``group``.
+    """
+    active: set[tuple[int, ...]] | None = getattr(_local, "active", None)
+    if active is None:
+        active = _local.active = set()
+    ranks = _ranks(group)
+    if ranks in active:
+        yield
+        return
+    check_arrival(group, what, timeout, hint=hint)
+    active.add(ranks)
+    try:
+        yield
+    finally:
+        active.discard(ranks)

@@ -204,7 +204,9 @@ def normalize_params(params: Any) -> list[dict[str, Any]]:
     """Return ``params`` as a list of param-group dicts, validated.
 
     Accepts an iterable (list, generator) of tensors, of ``(name, tensor)`` pairs (as from
-    ``named_parameters()``), or of group dicts whose ``params`` are any of those.
+    ``named_parameters()``), or of group dicts whose ``params`` are any of those. Group dicts
+    are kept, not copied (their ``params`` become lists), as ``torch.optim.Optimizer`` keeps
+    them: a scheduler built on another optimizer over the same dicts drives this one.
 
     Raises:
         TypeError: ``params`` is a single tensor, not iterable, or holds a non-tensor.
@@ -226,7 +228,8 @@ def normalize_params(params: Any) -> list[dict[str, Any]]:
     if not items:
         raise ValueError(EMPTY_PARAMS)
     if all(isinstance(item, dict) for item in items):
-        groups = [dict(item) for item in items]
+        groups = items  # the caller's dicts, as torch.optim keeps them (issue 36: Lightning
+        # 1.9 schedules the lr of the groups of the optimizer it rebuilds as OSS)
     elif any(isinstance(item, dict) for item in items):
         raise TypeError("params mixes param-group dicts and tensors: use one or the other")
     else:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from oss_plus import _dist
+from oss_plus import _arrival, _dist
 from oss_plus._norms import (
     BAD_MAX_NORM,
     BAD_NORM_TYPE,
@@ -365,10 +365,14 @@ class ShardedClip:
         Example:
             >>> scaler.unscale_(opt); opt.clip_grad_norm(1.0); scaler.step(opt)  # doctest: +SKIP
 
-        .. warning:: Collective: call on every rank of ``group``.
+        .. warning:: Collective: call on every rank of ``group`` (a call on some ranks only
+            raises there within the arrival timeout, :mod:`oss_plus._arrival`).
         """
-        self.settle()
-        shard = self.local_shard
-        changed = self.trainability_changed()  # the next step() repartitions
-        options = ClipOptions(filter_params_fn, group, error_if_nonfinite, scale_all=changed)
-        return clip_by_plan_(shard.plan, shard.targets, max_norm, norm_type, self.group, options)
+        with _arrival.entry(self.group if group is None else group, "clip_grad_norm()"):
+            self.settle()
+            shard = self.local_shard
+            changed = self.trainability_changed()  # the next step() repartitions
+            options = ClipOptions(filter_params_fn, group, error_if_nonfinite, scale_all=changed)
+            return clip_by_plan_(
+                shard.plan, shard.targets, max_norm, norm_type, self.group, options
+            )

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist, _params, hybrid
+from oss_plus import _arrival, _dist, _params, hybrid
 from oss_plus._params import PLANS_DIFFER
 from oss_plus.clip import ShardedClip
 from oss_plus.inflight import ForwardWaits
@@ -30,7 +30,7 @@ from oss_plus.partition import Rule
 from oss_plus.pieces import PieceGrads
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.replan import Replanner
-from oss_plus.shard import LocalShard
+from oss_plus.shard import LocalShard, evaluate_first
 from oss_plus.state import ParamState, copy_hyper
 from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.stepping import StepDriver
@@ -234,9 +234,11 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
                 ranks hold different plans (e.g. ``requires_grad`` changed on some ranks
                 only); raised on every rank, before any state moves.
 
-        .. warning:: Collective: call on every rank of ``group`` with the same plan.
+        .. warning:: Collective: call on every rank of ``group`` with the same plan (a call
+            on some ranks only raises there, :mod:`oss_plus._arrival`).
         """
-        self._replanner.adopt(plan, pin)  # settles the last step first
+        with _arrival.entry(self.group, "repartition()"):
+            self._replanner.adopt(plan, pin)  # settles the last step first
         self.drop_consolidated()
 
     @property
@@ -301,7 +303,11 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         """Step the local shard, then broadcast every shard to every rank.
 
         Args:
-            closure: re-evaluates the model and returns the loss (passed to the local step).
+            closure: re-evaluates the model and returns the loss. It runs first, before
+                anything it may replace is read (the sync, the inner optimizer, the pieces:
+                fairscale's ``ShardedDataParallel`` calls :meth:`refresh_trainable` in its
+                forward, as under Lightning 1.9's ``ddp_sharded``); the local step's first
+                call of it returns that loss, later calls (``LBFGS``) run it again.
             **kwargs: passed to the inner optimizer's ``step``.
 
         Returns:
@@ -323,13 +329,17 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
             if plan is not None and not replan.together(plan, self.wire_dtype):
                 return None  # this rank's plan changed, not every rank's
         self.drop_consolidated()
-        copy_hyper(self.param_groups, self.optim.param_groups)
-        if closure is not None:
-            kwargs["closure"] = closure
+        error: Exception | None = None
+        if closure is not None:  # first, then read what it may replace (see evaluate_first)
+            kwargs["closure"], error = evaluate_first(closure)
         sync, redirect = replan.sync, None
+        copy_hyper(self.param_groups, self.optim.param_groups)
         if isinstance(sync, BucketSync):  # the exact values of what went compressed are stepped
             redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
-        loss, error = self._shard.step(kwargs, redirect)
+        if error is None:
+            loss, error = self._shard.step(kwargs, redirect)
+        else:
+            loss = None
         self._driver.send(sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss
@@ -389,14 +399,16 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         The new params are placed by the partition rule on top of the current totals; their
         trainability is tracked like every other param's.
 
-        .. warning:: Collective: call on every rank of ``group`` with the same group.
+        .. warning:: Collective: call on every rank of ``group`` with the same group (a call
+            on some ranks only raises there, :mod:`oss_plus._arrival`).
         """
         if not self._initialized:
             super().add_param_group(param_group)
             return
-        self.settle()
-        super().add_param_group(_params.new_group(param_group, self.flat_params()))
-        self._replanner.add_group()
+        with _arrival.entry(self.group, "add_param_group()"):
+            self.settle()
+            super().add_param_group(_params.new_group(param_group, self.flat_params()))
+            self._replanner.add_group()
         self.drop_consolidated()
 
     def refresh_trainable(self) -> None:
@@ -407,6 +419,8 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         the inner optimizer (``self.optim``) is kept as it is and nothing is exchanged.
         Also runs automatically at :meth:`step` when ``requires_grad`` changed.
 
-        .. warning:: Collective: call on every rank of ``group``.
+        .. warning:: Collective: call on every rank of ``group`` (a call on some ranks only
+            raises there within the arrival timeout, :mod:`oss_plus._arrival`).
         """
-        self.repartition()
+        with _arrival.entry(self.group, "refresh_trainable()"):
+            self.repartition()

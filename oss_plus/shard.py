@@ -28,7 +28,7 @@ from oss_plus.pieces import PieceTargets
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
 
-__all__ = ["LocalShard"]
+__all__ = ["LocalShard", "evaluate_first"]
 
 
 class LocalShard:
@@ -171,3 +171,26 @@ class LocalShard:
         self.targets = PieceTargets(self.flat_params(), plan, self.rank)  # none split
         self.optim.add_param_group(self.local_groups()[-1])
         copy_hyper(self.optim.param_groups, self.param_groups)
+
+
+def evaluate_first(closure: Callable[[], Any]) -> tuple[Callable[[], Any], Exception | None]:
+    """Run a step's ``closure`` now, gradients enabled as ``torch.optim`` does, its error
+    captured (:func:`oss_plus._dist.capture`: the sync still runs); return the closure to
+    give the local step: its first call returns that loss, later calls run ``closure``
+    again (``LBFGS``).
+
+    Why first: a closure may re-plan the optimizer it is passed to. fairscale's
+    ``ShardedDataParallel`` calls ``refresh_trainable()`` in its forward (at the first one,
+    and when ``requires_grad`` changed), which installs a new sync and, when owners change,
+    a new inner optimizer and pieces; a step that read them before its closure would step
+    and broadcast the replaced ones (issue 36: Lightning 1.9's ``ddp_sharded`` steps inside
+    its closure).
+    """
+    with torch.enable_grad():
+        loss, error = _dist.capture(closure)
+    pending = [loss]
+
+    def replay() -> Any:
+        return pending.pop() if pending else closure()
+
+    return replay, error

@@ -26,13 +26,24 @@ from oss_plus.state import (
     validate_state_dict,
 )
 
-__all__ = ["NOT_CONSOLIDATED", "ShardedStateDict"]
+__all__ = ["CONSOLIDATE_HINT", "NOT_CONSOLIDATED", "STATE_DICT_HINT", "ShardedStateDict"]
 
 #: Raised by :meth:`ShardedStateDict.state_dict` when nothing was consolidated on this rank.
 NOT_CONSOLIDATED = (
     "the optimizer state has not been consolidated on this rank: call "
     "consolidate_state_dict(recipient_rank={rank}) on every rank first, or "
     "state_dict(all_ranks=True) on every rank"
+)
+
+#: The arrival error's advice for a collective ``state_dict()``.
+STATE_DICT_HINT = (
+    ", or call consolidate_state_dict() on every rank first and then state_dict() on the "
+    "saving rank only (see docs/integrations.md)"
+)
+#: The arrival error's advice for ``consolidate_state_dict()``.
+CONSOLIDATE_HINT = (
+    " (a framework that saves from one rank only, e.g. mmengine's CheckpointHook, needs it "
+    "called on every rank before the save; see docs/integrations.md)"
 )
 
 
@@ -93,21 +104,24 @@ class ShardedStateDict:
         Raises:
             ValueError: ``recipient_rank`` is not -1 or a rank of ``group``.
 
-        .. warning:: Collective: call on every rank of ``group``.
+        .. warning:: Collective: call on every rank of ``group``. A call on some ranks only
+            (a framework consolidating on the saving rank alone) raises RuntimeError there
+            within the arrival timeout (:mod:`oss_plus._arrival`), never a hang.
         """
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(
                 f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                 f"got {recipient_rank}"
             )
-        self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
-        copy_hyper(self.param_groups, self.optim.param_groups)
-        dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
-        self._consolidated_copy = None
-        local = self.export_local_state()  # type: ignore[attr-defined]
-        shapes = [p.shape for g in self.param_groups for p in g["params"]]
-        plan = self.plan  # type: ignore[attr-defined]
-        received = whole_states(local, plan, dst, shapes, self.group, out_device=CPU)
+        with _arrival.entry(self.group, "consolidate_state_dict()", hint=CONSOLIDATE_HINT):
+            self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
+            copy_hyper(self.param_groups, self.optim.param_groups)
+            dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
+            self._consolidated_copy = None
+            local = self.export_local_state()  # type: ignore[attr-defined]
+            shapes = [p.shape for g in self.param_groups for p in g["params"]]
+            plan = self.plan  # type: ignore[attr-defined]
+            received = whole_states(local, plan, dst, shapes, self.group, out_device=CPU)
         if dst in (ALL_RANKS, self.rank):
             self._consolidated_copy = received
 
@@ -143,12 +157,13 @@ class ShardedStateDict:
         options = _dcp.torch_options(_dcp.GET)
         if options is not None:  # torch's get_*state_dict (DCP): no gather unless asked
             return self._run_post_hooks(self._dcp_state_dict(options))
+        what = "state_dict(all_ranks=True)"
         collective = getattr(self, "collective_state_dict", False)
         if collective and self._consolidated_copy is None and not all_ranks:
-            _arrival.check_arrival(self.group, "state_dict()")
-            all_ranks = True
+            what, all_ranks = "state_dict()", True
         if all_ranks:
-            self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
+            with _arrival.entry(self.group, what, hint=STATE_DICT_HINT):
+                self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
         if self._consolidated_copy is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}

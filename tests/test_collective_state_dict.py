@@ -15,6 +15,7 @@ from helpers import catch, make_model, train
 from oss_plus import OSS, _arrival
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
+from oss_plus.state_dict import STATE_DICT_HINT
 
 KINDS = ["oss", "fairscale", "torch"]
 
@@ -111,7 +112,7 @@ def test_a_call_on_one_rank_raises_there_and_never_hangs(pool, kind, caller):
     name, message = results[caller][0]
     assert name == "RuntimeError"
     assert message == _arrival.NOT_ALL_ARRIVED.format(
-        what="state_dict()", arrived=1, world=2, seconds=1.0, rank=caller
+        what="state_dict()", arrived=1, world=2, seconds=1.0, rank=caller, hint=STATE_DICT_HINT
     )
     after_two, after_three = reference_state(2), reference_state(3)
     for _, together, _ in results:

@@ -183,3 +183,16 @@ def test_torch_install_makes_torchs_name_resolve_to_the_adapter_until_uninstall(
     (as mmengine defines its own), give the adapter, which trains as the plain optimizer it
     names; uninstall() gives torch's class back."""
     _run_ok(TORCH_INSTALL.format(port=free_port()))
+
+
+def test_install_registers_the_exit_handler_at_once():
+    """A process that installs the adapter may train with torch's collectives only (no
+    ``OSS``, so no oss_plus collective ever registers the handler): ``install()`` does
+    (``oss_plus._exit``; issue 36)."""
+    code = (
+        "import oss_plus._exit as e, oss_plus.compat.fairscale as f\n"
+        "assert not e._registered\n"
+        "f.install()\n"
+        "assert e._registered\n"
+    )
+    run_python(["-c", code])

@@ -154,3 +154,37 @@ def clip_task(ctx, rule: str) -> bool:
 @pytest.mark.parametrize("rule", RULES)
 def test_clip_after_a_change_on_every_rank_clips_what_the_new_owners_step(pool, rule):
     assert all(pool.run(clip_task, rule, world_size=3, timeout=TIMEOUT))
+
+
+def closure_replans_task(ctx, rule: str, how: str) -> bool:
+    """A closure that re-plans the optimizer it is passed to (fairscale's
+    ``ShardedDataParallel`` calls ``refresh_trainable()`` in its forward, inside Lightning
+    1.9's closure): the step steps and broadcasts what the closure installed (issue 36).
+    ``none``: a plain closure (under the flat rule the pieces of cut params took their
+    gradients before the closure computed them, before issue 36)."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    opt = OSS(model.parameters(), torch.optim.AdamW, group=ctx.group, lr=0.01, partition_rule=rule)
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for step in range(4):
+        for net, optimizer in ((model, opt), (reference, plain)):
+
+            def closure(net=net, optimizer=optimizer, step=step) -> torch.Tensor:
+                if how == "freeze" and step == 2:  # owners move inside the closure
+                    net[0].weight.requires_grad_(False)
+                if optimizer is opt and how == "install_sync":
+                    opt.install_sync()
+                elif optimizer is opt and how != "none":
+                    opt.refresh_trainable()
+                optimizer.zero_grad()
+                return backward(net, step)
+
+            optimizer.step(closure)
+    return torch.equal(flat_params(model), flat_params(reference))
+
+
+@pytest.mark.parametrize("how", ["none", "install_sync", "refresh_trainable", "freeze"])
+@pytest.mark.parametrize("rule", RULES)
+def test_a_closure_that_replans_steps_what_it_installed(pool, rule, how):
+    for world in (2, 3):
+        assert all(pool.run(closure_replans_task, rule, how, world_size=world)), world

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from oss_plus import _dist
+from oss_plus import _arrival, _dist
 from oss_plus._nested import unflatten_value
 from oss_plus.checkpoint.format import (
     INDEX_FILE,
@@ -83,8 +83,13 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "load_checkpoint")
+    with _arrival.entry(optimizer.group, "load_checkpoint()"):
+        _load(optimizer, Path(path))
+
+
+def _load(optimizer: Any, root: Path) -> None:
+    """The body of :func:`load_checkpoint`, once every rank entered it."""
     optimizer.settle()  # the last step's sync done and its status raised on every rank
-    root = Path(path)
 
     def read() -> tuple[Index, dict[int, dict[str, Any]]]:
         index = read_index(root)

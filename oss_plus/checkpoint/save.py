@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from oss_plus import _dist
+from oss_plus import _arrival, _dist
 from oss_plus.checkpoint import background, comm, storage
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
@@ -119,11 +119,12 @@ def save_checkpoint(
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "save_checkpoint")
-    optimizer.settle()  # the last step's sync done and its status raised on every rank
-    replicas = getattr(optimizer, "replicate_group", None)
-    if replicas is not None:
-        return _save_once(optimizer, path, sharded, blocking, replicas)
-    return save_checkpoint_unreplicated(optimizer, path, sharded, blocking)
+    with _arrival.entry(optimizer.group, "save_checkpoint()"):
+        optimizer.settle()  # the last step's sync done and its status raised on every rank
+        replicas = getattr(optimizer, "replicate_group", None)
+        if replicas is not None:
+            return _save_once(optimizer, path, sharded, blocking, replicas)
+        return save_checkpoint_unreplicated(optimizer, path, sharded, blocking)
 
 
 def _save_once(

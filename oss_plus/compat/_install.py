@@ -19,6 +19,11 @@ import ``OSS`` are imported):
   with it uninstalled and gets everything.
 
 :func:`uninstall` reverts either mode.
+
+:func:`install` also registers oss_plus's exit handler (:mod:`oss_plus._exit`) at once,
+not at the first oss_plus collective: a process that installs the adapter may train with
+torch's collectives only (the DDP reference run of the same script), and gloo's workers may
+still need the GIL when it exits.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
+
+from oss_plus._exit import drain_at_exit
 
 __all__ = ["install", "is_installed", "uninstall"]
 
@@ -163,6 +170,7 @@ def install(*, data_parallel: bool = False) -> str:
     """
     if _installed["mode"] is not None:
         return str(_installed["mode"])
+    drain_at_exit()  # a process that installs may train with torch's collectives only
     if _fairscale_findable() and _patch_real(data_parallel):
         _installed["mode"] = "patched"
     else:

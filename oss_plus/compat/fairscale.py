@@ -183,6 +183,10 @@ class OSS(CompatOSS):
             raise ValueError(ALL_STATES_READ_ONLY.format(kind=type(value).__name__))
         self.drop_consolidated()
 
+    def _clear_cache(self) -> None:
+        """fairscale's cache reset: a no-op here (the partition and the views above are
+        computed from the current plan at every read; nothing is cached)."""
+
     # ----------------------------------------------------------------- clipping
     def clip_grad_norm(  # type: ignore[override]
         self,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oss_plus import _dist
+from oss_plus import _arrival, _dist
 from oss_plus._trace import label
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
@@ -298,9 +298,13 @@ class ShardedDataParallel(nn.Module):
         Raises:
             ValueError: a newly trainable param is in no optimizer.
 
-        .. warning:: Collective: call on every rank of ``process_group``.
+        .. warning:: Collective: call on every rank of ``process_group`` (a call on some ranks
+            only raises there within the arrival timeout, :mod:`oss_plus._arrival`).
         """
-        with label("oss_plus::sdp::refresh_trainable"):
+        with (
+            _arrival.entry(self.process_group, "refresh_trainable()"),
+            label("oss_plus::sdp::refresh_trainable"),
+        ):
             if self._reducer is not None and self._reducer.pending and not self._accumulate:
                 logger.warning(
                     "refresh_trainable() with gradients waiting to be reduced; for gradient "

@@ -1,9 +1,14 @@
 """Lightning 1.9: ``strategy="ddp_sharded"`` (fairscale's OSS and ShardedDataParallel) with
 ``oss_plus.compat.install()``, which makes ``fairscale.optim.OSS`` the oss_plus adapter.
 
-Call ``install()`` before ``pytorch_lightning`` is imported. Adam, not AdamW: Lightning 1.9
-rebuilds the optimizer from ``opt.defaults``, which AdamW's constructor rejects on torch 2.13
-(for real fairscale too). Run: ``torchrun --nproc_per_node 2 lightning_1_9.py train|resume OUT``.
+Call ``install()`` before ``pytorch_lightning`` is imported. AdamW, as in the run that found
+issue 36 (the sharded run diverged since 529d4c7: fairscale's ``ShardedDataParallel``
+re-plans the optimizer in its first forward, inside Lightning's step closure). Lightning 1.9
+rebuilds the optimizer from ``opt.defaults``, which fairscale's own ``OSS`` cannot do for
+AdamW on torch 2.13 (``decoupled_weight_decay``); the adapter can. The test also fails when a
+rank aborts at exit (torchrun's status). Run:
+``torchrun --nproc_per_node 2 lightning_1_9.py train|resume OUT`` (the test: ``tox -e
+integration-lightning19``, about 40 s).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class Regression(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.model(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=LR)  # ddp_sharded wraps it in OSS
+        return torch.optim.AdamW(self.parameters(), lr=LR)  # ddp_sharded wraps it in OSS
 
 
 def fit(module: Regression, epochs: int, out: str, strategy: str, ckpt_path: str | None = None):
