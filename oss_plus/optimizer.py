@@ -307,7 +307,8 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
                 anything it may replace is read (the sync, the inner optimizer, the pieces:
                 fairscale's ``ShardedDataParallel`` calls :meth:`refresh_trainable` in its
                 forward, as under Lightning 1.9's ``ddp_sharded``); the local step's first
-                call of it returns that loss, later calls (``LBFGS``) run it again.
+                call of it returns that loss, later calls (an inner optimizer that calls it
+                again) run it again.
             **kwargs: passed to the inner optimizer's ``step``.
 
         Returns:

@@ -177,7 +177,7 @@ def evaluate_first(closure: Callable[[], Any]) -> tuple[Callable[[], Any], Excep
     """Run a step's ``closure`` now, gradients enabled as ``torch.optim`` does, its error
     captured (:func:`oss_plus._dist.capture`: the sync still runs); return the closure to
     give the local step: its first call returns that loss, later calls run ``closure``
-    again (``LBFGS``).
+    again (an inner optimizer that evaluates it more than once).
 
     Why first: a closure may re-plan the optimizer it is passed to. fairscale's
     ``ShardedDataParallel`` calls ``refresh_trainable()`` in its forward (at the first one,

@@ -5,6 +5,7 @@
     python tests/lifecycle.py --runs 20 --spawn          # fairscale's mp.spawn + file store
     python tests/lifecycle.py --runs 20 --sdp-backward   # SDP only, exit right after backward
     python tests/lifecycle.py --runs 20 --torch-last     # end with torch's own all_gathers
+    python tests/lifecycle.py --runs 20 --install-only   # install(), then plain DDP only
 
 Each run starts ``--world`` fresh interpreters (no launcher in between, so an exit status is
 the rank's own). Every rank: ``init_process_group`` (gloo, TCP store), an ``OSS`` under
@@ -20,7 +21,9 @@ a few steps, then one more forward and ``backward()`` with no step, and exit (th
 collectives are the last ones); ``--torch-last`` steps an ``OSS`` and ends with plain
 ``dist.all_gather`` calls of temporaries and no ``destroy_process_group()``, as fairscale's
 test suites end (torch's collectives last: only the exit handler of ``oss_plus._exit``
-covers them). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch
+covers them); ``--install-only`` calls ``oss_plus.compat.fairscale.install()`` and trains
+plain DDP + Adam, no ``OSS`` (the DDP reference run of a script that installs the adapter,
+issue 36). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch
 interval, so a non-Python thread that needs the GIL waits that long (it widens the window of
 a GIL race at exit).
 tests/test_lifecycle.py runs it; docs/reliability.md has the counts measured with it.
@@ -43,6 +46,10 @@ SDP_BACKWARD = "sdp_backward"
 #: ``--skip`` value that selects the script ending in torch's own collectives (no oss_plus
 #: collective last): the pattern of fairscale's test suites.
 TORCH_LAST = "torch_last"
+#: ``--skip`` value that selects the script that only calls
+#: ``oss_plus.compat.fairscale.install()`` and trains with plain DDP (no oss_plus collective,
+#: no ``OSS``): the reference run of a script that installs the adapter (issue 36).
+INSTALL_ONLY = "install_only"
 ABORT = "terminate called without an active exception"
 
 
@@ -59,6 +66,10 @@ def rank_main(
     torch.set_num_threads(1)
     if os.environ.get("LIFECYCLE_SWITCH_S"):  # a starved non-Python thread waits this long
         sys.setswitchinterval(float(os.environ["LIFECYCLE_SWITCH_S"]))
+    if INSTALL_ONLY in skip:
+        import oss_plus.compat.fairscale
+
+        oss_plus.compat.fairscale.install()
     init = f"file://{store}" if store else f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
@@ -76,6 +87,14 @@ def rank_main(
         return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
 
     net = model()
+    if INSTALL_ONLY in skip:  # DDP + torch's Adam: torch's collectives only, then exit
+        reference = DDP(net)
+        plain = torch.optim.Adam(net.parameters(), lr=1e-3)
+        for step in range(4):
+            plain.zero_grad()
+            reference(data(step)).pow(2).mean().backward()
+            plain.step()
+        return  # no destroy_process_group(), as Lightning 1.9
     opt = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-3)
     if SDP_BACKWARD in skip:  # ZeRO-2 only; the last collectives are the reducer's
         sdp = ShardedDataParallel(net, opt, reduce_buffer_size=200)
@@ -217,12 +236,14 @@ def main() -> None:
     p.add_argument("--spawn", action="store_true", help="fairscale's mp.spawn + file store")
     p.add_argument("--sdp-backward", action="store_true", help="SDP only, exit after backward")
     p.add_argument("--torch-last", action="store_true", help="end with torch's all_gathers")
+    p.add_argument("--install-only", action="store_true", help="install(), then plain DDP")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     skip = {s for s in args.skip.split(",") if s} | ({SDP_BACKWARD} if args.sdp_backward else set())
     skip |= {TORCH_LAST} if args.torch_last else set()
+    skip |= {INSTALL_ONLY} if args.install_only else set()
     if args.rank is not None:
         rank_main(args.rank, args.world, args.port, args.dir, skip)
         return

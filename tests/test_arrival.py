@@ -169,7 +169,7 @@ def test_a_call_on_some_ranks_raises_there_naming_it_and_recovers(
         assert SHORT_S * 0.9 <= elapsed < BOUND_S, elapsed
 
 
-def different_calls_task(ctx):
+def different_calls_task(ctx, tag):
     """Rank 0 consolidates while rank 1 clips: each raises naming its own call."""
     with short_arrival():
         model, opt, _ = build(ctx, "oss")
@@ -177,12 +177,16 @@ def different_calls_task(ctx):
         backward(model, 1)
         # rank 0 consolidates, rank 1 clips
         got = catch(opt.consolidate_state_dict) if ctx.rank == 0 else catch(opt.clip_grad_norm, 1.0)
+        store = _arrival._store()
+        store.add(f"{tag}/done", 1)  # both failed (else rank 1 could still meet rank 0 there)
+        wait_for(store, f"{tag}/done", 2)
         opt.consolidate_state_dict()  # then the same call on both: works
         return got
 
 
 def test_different_calls_on_different_ranks_raise_each_naming_its_own(pool):
-    first, second = pool.run(different_calls_task, world_size=2, timeout=TASK_TIMEOUT_S)
+    tag = f"test_arrival/{uuid.uuid4().hex}"
+    first, second = pool.run(different_calls_task, tag, world_size=2, timeout=TASK_TIMEOUT_S)
     assert first[0] == second[0] == "RuntimeError"
     assert first[1].startswith("consolidate_state_dict() is collective but only 1 of the 2")
     assert second[1].startswith("clip_grad_norm() is collective but only 1 of the 2")

@@ -9,7 +9,9 @@ lists the same APIs, and a test keeps that table and :data:`PRIVATE` in step.
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus import _arrival, _norms
+from oss_plus import _arrival, _exit, _norms
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "portability.md"
 #: Each private API -> the module of oss_plus that uses it.
@@ -39,6 +41,7 @@ PRIVATE = {
     "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
     "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
     "torch._disable_dynamo": "oss_plus/data_parallel/sharded_ddp.py",
+    "ProcessGroupGloo.pt_gloo_runloop": "oss_plus/_exit.py",
     "state_dict._init_optim_state": "oss_plus/dcp.py",
     "state_dict._get_optim_state_dict": "oss_plus/dcp.py",
     "state_dict._load_optim_state_dict": "oss_plus/dcp.py",
@@ -189,7 +192,9 @@ def test_arrival_check_falls_back_when_torch_has_no_default_store_getter(pool):
 
 #: The APIs reachable without a process group (DDP's flag: the pool test above).
 WITHOUT_GROUP = sorted(
-    n for n in PRIVATE if not n.startswith("DistributedDataParallel.") and n not in OPTIONAL
+    n
+    for n in PRIVATE
+    if not n.startswith(("DistributedDataParallel.", "ProcessGroupGloo.")) and n not in OPTIONAL
 )
 
 
@@ -303,3 +308,23 @@ def test_dcp_callers_are_the_functions_oss_plus_recognises():
         code = getattr(fn, "__wrapped__", fn).__code__
         assert "info" in code.co_varnames and "_init_optim_state" in code.co_names, name
         assert "_state_dict_fn" in code.co_names, name
+
+
+def gloo_worker_names_task(ctx):
+    """The names of this process's threads after a gloo collective (Linux)."""
+    dist.all_reduce(torch.ones(2), group=ctx.group)
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            names.append(comm.read().strip())
+    time.sleep(0.05)
+    return names, _exit.busy_gloo_workers()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+def test_gloo_worker_threads_carry_the_name_the_exit_handler_waits_for(pool):
+    """``oss_plus._exit`` waits at exit while threads named so are runnable: a renamed
+    thread would leave only the fixed pause."""
+    for names, busy in pool.run(gloo_worker_names_task, world_size=2):
+        assert set(_exit.GLOO_WORKER_NAMES) <= set(names), sorted(set(names))
+        assert busy == 0  # idle after the collective

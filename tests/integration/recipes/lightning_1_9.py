@@ -6,7 +6,9 @@ issue 36 (the sharded run diverged since 529d4c7: fairscale's ``ShardedDataParal
 re-plans the optimizer in its first forward, inside Lightning's step closure). Lightning 1.9
 rebuilds the optimizer from ``opt.defaults``, which fairscale's own ``OSS`` cannot do for
 AdamW on torch 2.13 (``decoupled_weight_decay``); the adapter can. The test also fails when a
-rank aborts at exit (torchrun's status). Run:
+rank aborts at exit (torchrun's status). The scheduler is built on the user's AdamW: it drives
+the sharded optimizer because the adapter keeps the param-group dicts Lightning passes (before
+issue 36 it copied them and the lr never changed). Run:
 ``torchrun --nproc_per_node 2 lightning_1_9.py train|resume OUT`` (the test: ``tox -e
 integration-lightning19``, about 40 s).
 """
@@ -37,7 +39,12 @@ class Regression(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.model(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR)  # ddp_sharded wraps it in OSS
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LR)  # ddp_sharded wraps it in OSS
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 def fit(module: Regression, epochs: int, out: str, strategy: str, ckpt_path: str | None = None):
