@@ -9,6 +9,7 @@ lists the same APIs, and a test keeps that table and :data:`PRIVATE` in step.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import time
@@ -321,10 +322,24 @@ def gloo_worker_names_task(ctx):
     return names, _exit.busy_gloo_workers()
 
 
+def torch_library_names_gloo_workers() -> bool:
+    """Whether the installed torch's own library carries the thread name (torch 2.6 leaves
+    gloo's workers unnamed; later builds call them ``pt_gloo_runloop``)."""
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not lib.exists():
+        pytest.skip(f"no {lib.name} to read the thread names from")
+    needle = _exit.GLOO_WORKER_NAMES[0].encode()
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return m.find(needle) >= 0
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
 def test_gloo_worker_threads_carry_the_name_the_exit_handler_waits_for(pool):
-    """``oss_plus._exit`` waits at exit while threads named so are runnable: a renamed
-    thread would leave only the fixed pause."""
+    """``oss_plus._exit`` waits at exit while threads named so are runnable. Where this
+    torch names them (its library has the string), they must be found; where it does not,
+    none is counted and only the fixed pause applies (docs/portability.md)."""
+    named = torch_library_names_gloo_workers()
     for names, busy in pool.run(gloo_worker_names_task, world_size=2):
-        assert set(_exit.GLOO_WORKER_NAMES) <= set(names), sorted(set(names))
-        assert busy == 0  # idle after the collective
+        found = set(_exit.GLOO_WORKER_NAMES) <= set(names)
+        assert found == named, (named, sorted(set(names)))
+        assert busy == 0  # idle after the collective, or none found
