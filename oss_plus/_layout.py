@@ -42,6 +42,7 @@ from oss_plus.partition import flat_offsets
 
 __all__ = [
     "Bucket",
+    "Key",
     "Gather",
     "SLOTTED_SHARE",
     "Transport",
@@ -53,6 +54,7 @@ __all__ = [
     "owner_buckets",
     "per_param",
     "own_storage",
+    "padded",
 ]
 
 Key = tuple[str, torch.dtype]
