@@ -163,6 +163,34 @@ def check_overlap_torch(ns: dict, out: str) -> None:
     assert out == (expected if rank() == 0 else ""), f"printed:\n{out}expected:\n{expected}"
 
 
+# ------------------------------------------------------------------ docs/zero2.md
+def check_zero2_recipe(ns: dict, out: str) -> None:
+    from oss_plus import ShardedDataParallel
+
+    model, opt = ns["model"], ns["opt"]
+    assert isinstance(model, ShardedDataParallel)
+    params = list(model.module.parameters())
+    held = [p.grad is not None for p in params]
+    assert held == [opt.param_to_rank[p] == rank() for p in params]  # owned grads only
+    # DDP + the unsharded AdamW in one process: each rank's batch, gradients averaged as
+    # DDP averages them (times 1/2, summed), torch's clip, then the step
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(5):
+        grads = []
+        for r in range(2):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(100 * step + r))
+            ref.zero_grad()
+            ref(x).pow(2).mean().backward()
+            grads.append([p.grad * 0.5 for p in ref.parameters()])
+        for p, g0, g1 in zip(ref.parameters(), *grads):
+            p.grad = g0 + g1
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+    assert torch.equal(flat_params(model.module), flat_params(ref))  # bit-identical, 2 ranks
+
+
 # ------------------------------------------------------------------ README.md
 def check_readme(ns: dict, out: str) -> None:
     from oss_plus import OSS
@@ -241,6 +269,7 @@ CHECKS: dict[str, list[Check]] = {
         check_zero2,
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
+    "zero2.md": [check_zero2_recipe],
     "checkpoints.md": [check_checkpoint_api, check_async_save, check_dcp],
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],
@@ -251,6 +280,7 @@ NEEDS = {"migration.md": "fairscale"}
 WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
     "overlap.md": [],
+    "zero2.md": [],
     "checkpoints.md": [
         "old.pt",
         "ckpt/final/index.json",
