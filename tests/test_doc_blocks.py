@@ -191,6 +191,17 @@ def check_zero2_recipe(ns: dict, out: str) -> None:
     assert torch.equal(flat_params(model.module), flat_params(ref))  # bit-identical, 2 ranks
 
 
+# ------------------------------------------------------------------ docs/partition.md
+def check_partition_rules(ns: dict, out: str) -> None:
+    # what the page says rank 0 prints: the ```text block after the python block
+    text = (DOCS / "partition.md").read_text()
+    shown = text.split("Rank 0 prints:\n\n```text\n", 1)[1].split("```", 1)[0]
+    assert out == (shown if rank() == 0 else ""), f"printed:\n{out}page:\n{shown}"
+    loads = ns["opt"].plan.rank_loads()  # the flat rule's: equal up to the alignment
+    assert sum(loads) == sum(p.numel() for p in ns["model"].parameters())
+    assert max(loads) - min(loads) <= 2 * 16
+
+
 # ------------------------------------------------------------------ README.md
 def check_readme(ns: dict, out: str) -> None:
     from oss_plus import OSS
@@ -270,6 +281,7 @@ CHECKS: dict[str, list[Check]] = {
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
     "zero2.md": [check_zero2_recipe],
+    "partition.md": [check_partition_rules],
     "checkpoints.md": [check_checkpoint_api, check_async_save, check_dcp],
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],
@@ -281,6 +293,7 @@ WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
     "overlap.md": [],
     "zero2.md": [],
+    "partition.md": [],
     "checkpoints.md": [
         "old.pt",
         "ckpt/final/index.json",
