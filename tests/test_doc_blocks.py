@@ -1,5 +1,5 @@
-"""Run every ```python block of README.md, docs/migration.md, overlap.md, checkpoints.md and
-performance.md.
+"""Run every ```python block of README.md, docs/migration.md, overlap.md, zero2.md,
+partition.md, checkpoints.md and performance.md.
 
 Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
 is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
