@@ -1,5 +1,5 @@
-"""Run every ```python block of README.md, docs/migration.md, overlap.md, checkpoints.md and
-performance.md.
+"""Run every ```python block of README.md, docs/migration.md, overlap.md, zero2.md,
+partition.md, checkpoints.md and performance.md.
 
 Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
 is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
@@ -163,6 +163,45 @@ def check_overlap_torch(ns: dict, out: str) -> None:
     assert out == (expected if rank() == 0 else ""), f"printed:\n{out}expected:\n{expected}"
 
 
+# ------------------------------------------------------------------ docs/zero2.md
+def check_zero2_recipe(ns: dict, out: str) -> None:
+    from oss_plus import ShardedDataParallel
+
+    model, opt = ns["model"], ns["opt"]
+    assert isinstance(model, ShardedDataParallel)
+    params = list(model.module.parameters())
+    held = [p.grad is not None for p in params]
+    assert held == [opt.param_to_rank[p] == rank() for p in params]  # owned grads only
+    # DDP + the unsharded AdamW in one process: each rank's batch, gradients averaged as
+    # DDP averages them (times 1/2, summed), torch's clip, then the step
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(5):
+        grads = []
+        for r in range(2):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(100 * step + r))
+            ref.zero_grad()
+            ref(x).pow(2).mean().backward()
+            grads.append([p.grad * 0.5 for p in ref.parameters()])
+        for p, g0, g1 in zip(ref.parameters(), *grads):
+            p.grad = g0 + g1
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+    assert torch.equal(flat_params(model.module), flat_params(ref))  # bit-identical, 2 ranks
+
+
+# ------------------------------------------------------------------ docs/partition.md
+def check_partition_rules(ns: dict, out: str) -> None:
+    # what the page says rank 0 prints: the ```text block after the python block
+    text = (DOCS / "partition.md").read_text()
+    shown = text.split("Rank 0 prints:\n\n```text\n", 1)[1].split("```", 1)[0]
+    assert out == (shown if rank() == 0 else ""), f"printed:\n{out}page:\n{shown}"
+    loads = ns["opt"].plan.rank_loads()  # the flat rule's: equal up to the alignment
+    assert sum(loads) == sum(p.numel() for p in ns["model"].parameters())
+    assert max(loads) - min(loads) <= 2 * 16
+
+
 # ------------------------------------------------------------------ README.md
 def check_readme(ns: dict, out: str) -> None:
     from oss_plus import OSS
@@ -241,6 +280,8 @@ CHECKS: dict[str, list[Check]] = {
         check_zero2,
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
+    "zero2.md": [check_zero2_recipe],
+    "partition.md": [check_partition_rules],
     "checkpoints.md": [check_checkpoint_api, check_async_save, check_dcp],
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],
@@ -251,6 +292,8 @@ NEEDS = {"migration.md": "fairscale"}
 WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
     "overlap.md": [],
+    "zero2.md": [],
+    "partition.md": [],
     "checkpoints.md": [
         "old.pt",
         "ckpt/final/index.json",
