@@ -53,7 +53,7 @@ from oss_plus.compat.ddp_zero_hook import (
     hook_with_zero_step_interleaved,
 )
 from oss_plus.partition import Rule
-from oss_plus.plan import Layout, ShardPolicy
+from oss_plus.policy import Layout, ShardPolicy
 
 __all__ = [
     "ZeroRedundancyOptimizer",
