@@ -43,10 +43,10 @@ PRIVATE = {
     "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
     "torch._disable_dynamo": "oss_plus/data_parallel/sharded_ddp.py",
     "ProcessGroupGloo.pt_gloo_runloop": "oss_plus/_exit.py",
-    "state_dict._init_optim_state": "oss_plus/dcp.py",
-    "state_dict._get_optim_state_dict": "oss_plus/dcp.py",
-    "state_dict._load_optim_state_dict": "oss_plus/dcp.py",
-    "ShardedTensor._init_from_local_shards_and_global_metadata": "oss_plus/dcp.py",
+    "state_dict._init_optim_state": "oss_plus/torch_callers.py",
+    "state_dict._get_optim_state_dict": "oss_plus/torch_callers.py",
+    "state_dict._load_optim_state_dict": "oss_plus/torch_callers.py",
+    "ShardedTensor._init_from_local_shards_and_global_metadata": "oss_plus/sharded_tensor.py",
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
@@ -302,7 +302,7 @@ def test_disable_dynamo_skips_the_frame_and_with_recursive_false_only_that_frame
 
 
 def test_dcp_callers_are_the_functions_oss_plus_recognises():
-    """oss_plus.dcp recognises torch's DCP functions by their code objects and reads the
+    """oss_plus.torch_callers recognises torch's DCP functions by their code objects and reads the
     ``info`` local of the get/load ones: both must still be there, in that shape."""
     for name in ("_get_optim_state_dict", "_load_optim_state_dict"):
         fn = getattr(torch_state_dict, name)
