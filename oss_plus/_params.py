@@ -17,7 +17,8 @@ from oss_plus import _dist
 from oss_plus._layout import alignment
 from oss_plus.partition import ParamSpec, Rule
 from oss_plus.pieces import is_elementwise, not_elementwise_message
-from oss_plus.plan import Layout, ShardPlan, ShardPolicy
+from oss_plus.plan import ShardPlan
+from oss_plus.policy import Layout, ShardPolicy
 
 #: Raised on every rank by a repartition when the ranks hold different shard plans.
 PLANS_DIFFER = (

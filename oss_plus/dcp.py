@@ -3,15 +3,16 @@
 torch's state-dict API (``torch.distributed.checkpoint.state_dict``: ``get_state_dict``,
 ``get_optimizer_state_dict``, ``set_state_dict``, ``set_optimizer_state_dict``) calls the
 optimizer's ``state``, ``state_dict()`` and ``load_state_dict()``. When torch's functions
-are the callers (:func:`torch_options`, see ``docs/portability.md``), :class:`oss_plus.OSS`
-answers in a form DCP saves and loads shard by shard:
+are the callers (:mod:`oss_plus.torch_callers` recognises them, see
+``docs/portability.md``), :class:`oss_plus.OSS` answers in a form DCP saves and loads shard
+by shard:
 
 * ``state_dict()`` (:func:`sharded_state_dict`) returns every param's entry on every rank
   (torch keys them by FQN), holding only the state this rank owns, as live tensors (no
   copy, nothing gathered): a param owned whole is the owner's plain tensors (other ranks
   hold an empty entry); a param ``partition_rule="flat"`` cuts into pieces has each
   per-element tensor as a ``ShardedTensor`` of the param's shape whose local shards are the
-  rectangles of this rank's piece (:func:`range_blocks`), so ``dcp.save`` writes each
+  rectangles of this rank's piece (:mod:`oss_plus.sharded_tensor`), so ``dcp.save`` writes each
   element once, from its holder, and a reader sees one tensor per FQN. State that is the
   same on every holder (a 0-dim ``step``) is written by each holder; DCP keeps one copy.
 * ``load_state_dict()`` (:func:`load_sharded`) takes that form back (or whole tensors, e.g.
@@ -35,10 +36,8 @@ answers in a form DCP saves and loads shard by shard:
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ import torch.distributed as dist
 from oss_plus import _arrival, _dist
 from oss_plus.consolidate import ALL_RANKS
 from oss_plus.main_copy import MAIN_KEY
+from oss_plus.sharded_tensor import holds_sharded, local_piece, range_blocks, to_sharded
 from oss_plus.state import ParamState, pack_param_groups, per_element_keys, validate_state_dict
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "load_sharded",
     "range_blocks",
     "sharded_state_dict",
-    "torch_options",
 ]
 
 #: How long a rank entering torch's DCP state-dict API waits for the others (None: the
@@ -79,52 +78,6 @@ GROUPS_DIFFER = (
 )
 
 _WHAT = "torch.distributed.checkpoint.state_dict"
-GET, LOAD, PROBE = "_get_optim_state_dict", "_load_optim_state_dict", "_init_optim_state"
-
-
-def _code(name: str) -> Any | None:
-    """The code object of torch's ``state_dict`` module function ``name`` (unwrapped)."""
-    try:
-        from torch.distributed.checkpoint import state_dict as torch_sd
-    except ImportError:  # pragma: no cover - torch without DCP
-        return None
-    fn = getattr(torch_sd, name, None)
-    fn = getattr(fn, "__wrapped__", fn)
-    return getattr(fn, "__code__", None)
-
-
-def _torch_frame(start: FrameType | None) -> FrameType | None:
-    """The first frame above ``start`` that is not oss_plus's own code."""
-    frame = start
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("oss_plus"):
-        frame = frame.f_back
-    return frame
-
-
-def torch_options(kind: str) -> Any | None:
-    """Return torch's ``_StateDictInfo`` when the call comes from torch's function ``kind``.
-
-    ``kind`` is :data:`GET` (``state_dict()`` from ``get_*state_dict``), :data:`LOAD`
-    (``load_state_dict()`` from ``set_*state_dict``) or :data:`PROBE` (``state`` read by
-    ``_init_optim_state``; returns True). None: another caller (a user, a framework).
-    """
-    frame = _torch_frame(sys._getframe(1))
-    code = _code(kind)
-    if frame is None or code is None or frame.f_code is not code:
-        return None
-    return True if kind == PROBE else frame.f_locals.get("info", True)
-
-
-def for_full_load() -> bool:
-    """Whether ``state_dict()`` is called by torch's ``set_*state_dict`` with
-    ``full_state_dict=True`` (``_load_optim_state_dict`` -> ``_get_optim_state_dict``), which
-    takes the result as the template the whole state is distributed into."""
-    frame, load = _torch_frame(sys._getframe(1)), _code(LOAD)
-    for _ in range(3):  # above it: torch.no_grad's wrapper, then torch's load
-        frame = frame.f_back if frame is not None else None
-        if frame is not None and frame.f_code is load:
-            return True
-    return False
 
 
 # --------------------------------------------------------------------------- local state
@@ -189,85 +142,6 @@ def agreed_state(optimizer: Any) -> LocalState:
     return LocalState(optimizer, agreed=any(flags))
 
 
-# --------------------------------------------------------------------------- chunks (PURE)
-def range_blocks(
-    shape: tuple[int, ...], start: int, end: int
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Cut the elements ``[start, end)`` of a C-order tensor of ``shape`` into rectangles.
-
-    Returns ``(offsets, sizes)`` of each rectangle, in element order; each one's elements
-    are contiguous in the flattened tensor, so a 1-D piece holds them back to back (PURE).
-
-    Example:
-        >>> range_blocks((3, 4), 2, 11)
-        [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
-        >>> range_blocks((4, 2), 2, 8)
-        [((1, 0), (3, 2))]
-    """
-    if start >= end:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = 1
-    for size in shape[1:]:
-        inner *= size
-    first, first_off = divmod(start, inner)
-    last, last_off = divmod(end, inner)
-    rest = tuple(shape[1:])
-
-    def rows(row: int, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [((row, *o), (1, *s)) for o, s in range_blocks(rest, lo, hi)]
-
-    if first == last:
-        return rows(first, first_off, last_off)
-    blocks = []
-    if first_off:
-        blocks += rows(first, first_off, inner)
-        first += 1
-    if last > first:
-        blocks.append(((first, *(0,) * len(rest)), (last - first, *rest)))
-    if last_off:
-        blocks += rows(last, 0, last_off)
-    return blocks
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _sharded(
-    piece: torch.Tensor, shape: tuple[int, ...], pieces: list[Any], rank: int, group: Any
-) -> Any:
-    """A ``ShardedTensor`` of ``shape``: this rank's shards are views of ``piece`` (1-D)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (
-        ShardedTensorMetadata,
-        TensorProperties,
-    )
-
-    everyone, local = [], []
-    for p in pieces:
-        device = piece.device if p.owner == rank else torch.device(piece.device.type)
-        place = f"rank:{_dist.global_rank(group, p.owner)}/{device}"
-        at = 0
-        for offsets, sizes in range_blocks(shape, p.start, p.end):
-            meta = ShardMetadata(list(offsets), list(sizes), place)
-            everyone.append(meta)
-            if p.owner == rank:
-                view = piece[at : at + _numel(sizes)].view(sizes)
-                local.append(Shard(tensor=view, metadata=meta))
-            at += _numel(sizes)
-    props = TensorProperties(dtype=piece.dtype, requires_grad=False)
-    meta_all = ShardedTensorMetadata(everyone, torch.Size(shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, meta_all, process_group=group
-    )
-
-
 # --------------------------------------------------------------------------- get / load
 def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]:
     """The DCP form of ``optimizer``'s state (see the module docstring): keyed by flat index
@@ -291,7 +165,7 @@ def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]
                 continue
             shape, length = tuple(param.shape), mine.end - mine.start
             state[i] = {
-                k: _sharded(v, shape, plan.pieces_of(i), rank, group)
+                k: to_sharded(v, shape, plan.pieces_of(i), rank, group)
                 if isinstance(v, torch.Tensor) and v.shape == (length,)
                 else v
                 for k, v in held.items()
@@ -363,24 +237,6 @@ def full_state_dict(optimizer: Any, cpu_offload: bool) -> dict[str, Any]:
     return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
 
 
-def _local_value(value: Any) -> Any:
-    """A ``ShardedTensor``'s local shards as one 1-D tensor (this rank's piece)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if not isinstance(value, ShardedTensor):
-        return value
-    shards = value.local_shards()
-    if not shards:
-        return None
-    return torch.cat([s.tensor.reshape(-1) for s in shards])
-
-
-def _is_sharded(state: Mapping[str, Any]) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return any(isinstance(v, ShardedTensor) for v in state.values())
-
-
 def _check_whole(
     optimizer: Any, states: dict[int, ParamState], packed: list[dict[str, Any]]
 ) -> None:
@@ -421,13 +277,13 @@ def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
         for i, key in enumerate(keys):
             if plan.piece(rank, i) is None or not saved.get(key):
                 continue
-            values = {k: _local_value(v) for k, v in saved[key].items()}
+            values = {k: local_piece(v) for k, v in saved[key].items()}
             states[i] = {k: v for k, v in values.items() if v is not None}
         packed, start = [], 0
         for g in groups:
             packed.append({**g, "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
-        whole = {i: st for i, st in states.items() if not _is_sharded(saved[keys[i]])}
+        whole = {i: st for i, st in states.items() if not holds_sharded(saved[keys[i]])}
         _check_whole(optimizer, whole, packed)  # this module's pieces fit by construction
         optimizer.import_local_state(states, packed)
 

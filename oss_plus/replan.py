@@ -27,7 +27,8 @@ from oss_plus import _params
 from oss_plus.changes import ChangeDetector
 from oss_plus.main_copy import MAIN_KEY, apply_exact
 from oss_plus.partition import Rule
-from oss_plus.plan import ShardPlan, ShardPolicy
+from oss_plus.plan import ShardPlan
+from oss_plus.policy import ShardPolicy
 from oss_plus.shard import LocalShard
 from oss_plus.stepping import StepDriver
 from oss_plus.sync import BucketSync, build_sync

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from oss_plus.partition import ParamSpec, Rule
-from oss_plus.plan import ShardPolicy, make_plan
+from oss_plus.plan import make_plan
+from oss_plus.policy import ShardPolicy
 from oss_plus.transport import auto_gathers, owner_key_elements
 
 __all__ = [

@@ -25,7 +25,8 @@ from oss_plus.consolidate import whole_states
 from oss_plus.main_copy import MAIN_KEY, split_main
 from oss_plus.main_step import Redirect
 from oss_plus.pieces import PieceTargets
-from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
+from oss_plus.plan import ShardPlan, make_plan
+from oss_plus.policy import ShardPolicy
 from oss_plus.state import ParamState, copy_hyper, local_groups, local_state_dict, place_states
 
 __all__ = ["LocalShard", "evaluate_first"]

@@ -13,7 +13,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from oss_plus import _arrival
+from oss_plus import _arrival, torch_callers
 from oss_plus import dcp as _dcp
 from oss_plus.consolidate import ALL_RANKS, CPU, whole_states
 from oss_plus.main_copy import MAIN_KEY
@@ -72,7 +72,7 @@ class ShardedStateDict:
         every rank agrees whether any rank holds state (see :mod:`oss_plus.dcp`)."""
         if "_shard" not in vars(self):  # torch.optim.Optimizer.__init__, before the shard
             return {}
-        if _dcp.torch_options(_dcp.PROBE) is not None:
+        if torch_callers.torch_options(torch_callers.PROBE) is not None:
             return _dcp.agreed_state(self)
         return _dcp.LocalState(self)
 
@@ -154,7 +154,7 @@ class ShardedStateDict:
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        options = _dcp.torch_options(_dcp.GET)
+        options = torch_callers.torch_options(torch_callers.GET)
         if options is not None:  # torch's get_*state_dict (DCP): no gather unless asked
             return self._run_post_hooks(self._dcp_state_dict(options))
         what = "state_dict(all_ranks=True)"
@@ -174,7 +174,7 @@ class ShardedStateDict:
         """``state_dict()`` as torch's ``get_*state_dict`` asked for it (``options``)."""
         if getattr(options, "full_state_dict", False):
             return _dcp.full_state_dict(self, bool(getattr(options, "cpu_offload", False)))
-        return _dcp.sharded_state_dict(self, template=_dcp.for_full_load())
+        return _dcp.sharded_state_dict(self, template=torch_callers.for_full_load())
 
     def _run_post_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -200,7 +200,9 @@ class ShardedStateDict:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if _dcp.torch_options(_dcp.LOAD) is not None:  # torch's set_*state_dict (DCP)
+        if (
+            torch_callers.torch_options(torch_callers.LOAD) is not None
+        ):  # torch's set_*state_dict (DCP)
             _dcp.load_sharded(self, state_dict)
         else:
             self._load_full(state_dict)

@@ -22,7 +22,7 @@ from helpers import WORLD_IDS, WORLDS, catch, make_model, params_equal, train
 from safetensors.torch import load_file, save_file
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
-from oss_plus.checkpoint import read, read_state_dict, storage
+from oss_plus.checkpoint import assemble, read_state_dict, storage
 
 # ------------------------------------------------------------------ shared helpers
 
@@ -415,17 +415,17 @@ def test_a_consolidated_save_streams_in_bounded_chunks(pool, tmp_path):
 def reads_task(ctx, root):
     fresh = OSS(build("plain").parameters(), optim=torch.optim.Adam, group=ctx.group, lr=1)
     names: list[str] = []
-    original = read._read_tensor
+    original = assemble._read_tensor
 
     def spy(handle, file, ref):
         names.append(ref.name)
         return original(handle, file, ref)
 
-    read._read_tensor = spy
+    assemble._read_tensor = spy
     try:
         load_checkpoint(fresh, root)
     finally:
-        read._read_tensor = original
+        assemble._read_tensor = original
     return names, fresh.plan.owned(fresh.rank)
 
 

@@ -24,7 +24,7 @@ from oss_plus.checkpoint.format import (
     tensor_name,
 )
 from oss_plus.checkpoint.plan import split_state
-from oss_plus.checkpoint.read import check_fits
+from oss_plus.checkpoint.validate import check_fits
 from oss_plus.checkpoint.values import decode_value, dtype_name, encode_value, torch_dtype
 
 VALUES = [

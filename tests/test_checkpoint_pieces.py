@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from test_checkpoint import diff
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
-from oss_plus.checkpoint import read, read_state_dict
+from oss_plus.checkpoint import assemble, read_state_dict
 from oss_plus.checkpoint.entries import PiecesValue, TensorRef, check_pieces
 from oss_plus.checkpoint.format import Index, shard_file
 from oss_plus.checkpoint.plan import merge_entries, split_state, tensor_slots
@@ -269,12 +269,12 @@ def load_and_continue(ctx, path, model_file, rule, partial=False):
     model.load_state_dict(load_file(model_file))
     ref_model = clone_model(model)
     opt = oss_of(model, ctx, rule, lr=123.0)  # the checkpoint's hyperparameters must win
-    original = read.PARTIAL_READ_BYTES
-    read.PARTIAL_READ_BYTES = 0 if partial else original
+    original = assemble.PARTIAL_READ_BYTES
+    assemble.PARTIAL_READ_BYTES = 0 if partial else original
     try:
         load_checkpoint(opt, path)
     finally:
-        read.PARTIAL_READ_BYTES = original
+        assemble.PARTIAL_READ_BYTES = original
     ref = torch.optim.AdamW(groups_of(ref_model, True), lr=123.0)
     saved = read_state_dict(path)
     ref.load_state_dict(saved)
@@ -318,7 +318,7 @@ CASES_PARTIAL = (("ws2", "flat-sharded"), ("fairscale2", "fairscale-sharded"))
 def partial_task(ctx, root):
     """Load with partial reads forced: the loads continue like torch; what each load read."""
     ranges, full = [], []
-    original_range, original_tensor = read._read_range, read._read_tensor
+    original_range, original_tensor = assemble._read_range, assemble._read_tensor
 
     def spy_range(handle, file, ref, lo, hi):
         ranges.append((ref.name, lo, hi))
@@ -329,14 +329,14 @@ def partial_task(ctx, root):
         return original_tensor(handle, file, ref)
 
     opt = oss_of(make_model(depth=4), ctx, "flat")
-    read._read_range, read._read_tensor = spy_range, spy_tensor
-    read.PARTIAL_READ_BYTES = 0
+    assemble._read_range, assemble._read_tensor = spy_range, spy_tensor
+    assemble.PARTIAL_READ_BYTES = 0
     try:
         for wid, name in CASES_PARTIAL:
             load_checkpoint(opt, f"{root}/{wid}/{name}")
     finally:
-        read._read_range, read._read_tensor = original_range, original_tensor
-        read.PARTIAL_READ_BYTES = 16 << 20
+        assemble._read_range, assemble._read_tensor = original_range, original_tensor
+        assemble.PARTIAL_READ_BYTES = 16 << 20
     problems = {
         name: load_and_continue(
             ctx, f"{root}/{wid}/{name}", f"{root}/{wid}/model.safetensors", "flat", True

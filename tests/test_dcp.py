@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from oss_plus import OSS, ShardedDataParallel, _arrival
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
-from oss_plus.dcp import range_blocks
+from oss_plus.sharded_tensor import range_blocks
 
 RULES = ["fairscale", "torch", "flat"]
 SAVED, MORE = 3, 2
@@ -292,6 +292,12 @@ def test_range_blocks_cover_the_range_in_order(shape):
                 for offsets, sizes in range_blocks(shape, start, end)
             ]
             assert torch.equal(torch.cat(got), torch.arange(start, end)), (start, end)
+
+
+def test_range_blocks_keeps_its_public_path_in_dcp():
+    from oss_plus import dcp
+
+    assert dcp.range_blocks is range_blocks and "range_blocks" in dcp.__all__
 
 
 # ------------------------------------------------------------------ a rank without state

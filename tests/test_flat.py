@@ -345,7 +345,7 @@ def test_a_non_elementwise_optimizer_is_refused_on_every_rank(pool, world):
 
 def test_flat_needs_the_owner_buckets_layout():
     from oss_plus._params import check_options
-    from oss_plus.plan import ShardPolicy
+    from oss_plus.policy import ShardPolicy
 
     with pytest.raises(ValueError, match="owner_buckets"):
         check_options(torch.optim.SGD, None, ShardPolicy("flat", layout="per_param"), None)

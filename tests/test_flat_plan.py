@@ -7,7 +7,8 @@ import random
 import pytest
 
 from oss_plus.partition import ParamSpec, Piece, Rule, cut_flat, flat_offsets
-from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
+from oss_plus.plan import ShardPlan, make_plan
+from oss_plus.policy import ShardPolicy
 
 FLAT = ShardPolicy(rule="flat")
 

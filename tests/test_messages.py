@@ -1,6 +1,6 @@
 """Messages no other test named: each triggered as a user would, checked exactly, on every rank.
 
-``checkpoint.read.OTHER_SAVE``, ``checkpoint.cli.NO_STATE_DICT``, ``plan.PLAN_MISMATCH``,
+``checkpoint.assemble.OTHER_SAVE``, ``checkpoint.cli.NO_STATE_DICT``, ``plan.PLAN_MISMATCH``,
 ``compat.torch.OVERLAP_BUCKET_VIEW``, ``compat.ddp_zero_hook.BUCKETS_CHANGED`` and
 ``UNKNOWN_PARAM`` (see docs/reliability.md for where each is raised).
 """
@@ -16,8 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
 from oss_plus._dist import PEER_FAILED
+from oss_plus.checkpoint.assemble import OTHER_SAVE
 from oss_plus.checkpoint.cli import NO_STATE_DICT
-from oss_plus.checkpoint.read import OTHER_SAVE
 from oss_plus.cli import main
 from oss_plus.compat.ddp_zero_hook import BUCKETS_CHANGED, UNKNOWN_PARAM, plan_overlap
 from oss_plus.compat.torch import (

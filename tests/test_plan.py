@@ -7,16 +7,10 @@ import pathlib
 
 import pytest
 
+from oss_plus import plan as plan_module
 from oss_plus.partition import ParamSpec, Rule, assign_owners
-from oss_plus.plan import (
-    BAD_POLICY,
-    Layout,
-    LocalOrder,
-    ShardPlan,
-    ShardPolicy,
-    make_plan,
-    plan_from_owners,
-)
+from oss_plus.plan import ShardPlan, make_plan, plan_from_owners
+from oss_plus.policy import BAD_POLICY, Layout, LocalOrder, ShardPolicy
 
 
 def specs(*sizes, frozen=()):
@@ -94,6 +88,15 @@ def test_policy_is_validated_and_coerced():
         ShardPolicy(aligned="yes")  # type: ignore[arg-type]
     with pytest.raises(AttributeError):
         policy.rule = Rule.FAIRSCALE  # type: ignore[misc]
+
+
+def test_the_policy_keeps_its_public_path_in_plan():
+    """``oss_plus.plan.ShardPolicy`` (the documented path, the adapters' and users' import)
+    is the class :mod:`oss_plus.policy` defines, not a copy."""
+    for name in ("ShardPolicy", "LocalOrder", "Layout"):
+        assert name in plan_module.__all__
+    assert plan_module.ShardPolicy is ShardPolicy
+    assert (plan_module.LocalOrder, plan_module.Layout) == (LocalOrder, Layout)
 
 
 # ------------------------------------------------------------------ the contract rule

@@ -24,7 +24,7 @@ from oss_plus._params import BAD_AUTO_REFRESH
 from oss_plus.bench.measure import host_reads
 from oss_plus.changes import WINDOWS
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
-from oss_plus.plan import ShardPolicy
+from oss_plus.policy import ShardPolicy
 from oss_plus.sync import any_set
 
 

@@ -4,21 +4,10 @@ Run it with ``oss-plus bench --checkpoint`` or ``python -m oss_plus.bench.checkp
 (``--help`` for options).
 
 Every implementation runs in its own freshly spawned group of gloo ranks (so memory freed by
-one never flatters another), on the same model (default: 20M params, Adam, 2 ranks):
-
-* ``fairscale``: ``consolidate_state_dict(recipient_rank=0)`` then ``torch.save`` on rank 0;
-  loading is ``torch.load`` + ``load_state_dict`` on every rank;
-* ``torch ZeRO``: ``consolidate_state_dict(to=0)`` then ``torch.save`` on rank 0; same load;
-* ``oss_plus sharded`` / ``oss_plus consolidated``: ``save_checkpoint(sharded=...)`` and
-  ``load_checkpoint``. These fsync every file before committing; ``torch.save`` does not.
-* ``oss_plus dcp`` / ``DDP + Adam dcp``: ``torch.distributed.checkpoint``'s flow
-  (:mod:`oss_plus.bench.dcp_ckpt`), for ``OSS`` and for the plain Adam every DDP rank holds;
-* ``disk floor sharded`` / ``disk floor consolidated``: no format, no checksum, no index, no
-  communication: each rank (sharded) or rank 0 alone, for every rank's bytes (consolidated),
-  writes the raw bytes of the optimizer state to a new file with ``os.write`` (starting the
-  writeback of every 16 MB at once), fsyncs it and unlinks the previous one. That is what
-  any durable save of these bytes must do at least, so it bounds how much faster than
-  fairscale a save that fsyncs can be on this disk. Its load is not measured.
+one never flatters another), on the same model (default: 20M params, Adam, 2 ranks).
+:mod:`oss_plus.bench.checkpoint_impls` describes each implementation and runs its saves
+and loads: fairscale and torch ZeRO consolidating to rank 0, oss_plus's two layouts, the
+DCP flow, and the disk floors that bound how fast any save that fsyncs can be.
 
 Times are wall-clock from a barrier before to a barrier after the call (the slowest rank
 counts); "save CPU" is the CPU time (user + system, every thread) all ranks spent in that
@@ -36,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import importlib.util
 import json
 import os
 import shutil
@@ -51,20 +39,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus import OSS, load_checkpoint, save_checkpoint
 from oss_plus._launch import run_local
 from oss_plus.bench import dcp_ckpt
+from oss_plus.bench.checkpoint_impls import (
+    IMPLEMENTATIONS,
+    available,
+    build_model,
+    build_optimizer,
+    load,
+    save,
+)
 from oss_plus.bench.measure import PeakRSS, rss
 
-IMPLEMENTATIONS = (
-    "fairscale",
-    "torch ZeRO",
-    "oss_plus sharded",
-    "oss_plus consolidated",
-    *dcp_ckpt.IMPLEMENTATIONS,
-    "disk floor sharded",
-    "disk floor consolidated",
-)
 #: Each oss_plus layout and the disk floor it is compared with.
 FLOORS = {
     "oss_plus sharded": "disk floor sharded",
@@ -72,92 +58,6 @@ FLOORS = {
 }
 #: The implementation the targets are measured against.
 BASELINE = "fairscale"
-
-
-def _model(params_m: float) -> torch.nn.Module:
-    """Ten square linear layers holding about ``params_m`` million params."""
-    width = int((params_m * 1e6 / 10) ** 0.5)
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(10)])
-
-
-def _optimizer(impl: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if impl in dcp_ckpt.IMPLEMENTATIONS:
-        return dcp_ckpt.optimizer(impl, model)
-    if impl == "fairscale":
-        from fairscale.optim import OSS as FairscaleOSS
-
-        return FairscaleOSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
-    if impl == "torch ZeRO":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3
-        )
-    return OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)
-
-
-#: The disk floor writes in pieces of this size and starts each one's writeback at once, as
-#: oss_plus does (without that, the final fsync waits for every byte: measured slower).
-CHUNK = 16 << 20
-
-
-def _floor_save(opt: Any, path: str, rank: int, sharded: bool) -> None:
-    """Write the state's raw bytes to a new file, fsync it, unlink the previous one."""
-    tensors = [v for s in opt.optim.state.values() for v in s.values() if torch.is_tensor(v)]
-    if not sharded:
-        tensors = tensors * dist.get_world_size() if rank == 0 else []  # rank 0 writes all
-    os.makedirs(path, exist_ok=True)
-    previous = list(Path(path).glob(f"floor-{rank}-*"))
-    if tensors:
-        _write_durably(os.path.join(path, f"floor-{rank}-{time.monotonic_ns()}"), tensors)
-    dist.barrier()  # like a commit: the previous files go once every rank's bytes are durable
-    for file in previous:
-        file.unlink()
-
-
-def _write_durably(file: str, tensors: list[torch.Tensor]) -> None:
-    fd = os.open(file, os.O_WRONLY | os.O_CREAT)
-    try:
-        done = 0
-        for tensor in tensors:
-            data = tensor.detach().contiguous().view(-1).numpy().data.cast("B")
-            while data:
-                n = os.write(fd, data[:CHUNK])
-                os.posix_fadvise(fd, done, n, os.POSIX_FADV_DONTNEED)  # start writeback now
-                data, done = data[n:], done + n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save(impl: str, opt: Any, path: str, rank: int, model: torch.nn.Module) -> None:
-    if impl in dcp_ckpt.IMPLEMENTATIONS:
-        dcp_ckpt.save(opt, model, path)
-        return
-    if impl.startswith("disk floor"):
-        _floor_save(opt, path, rank, impl.endswith("sharded"))
-        return
-    if impl.startswith("oss_plus"):
-        save_checkpoint(opt, path, sharded=impl.endswith("sharded"))
-        return
-    if impl == "fairscale":
-        opt.consolidate_state_dict(recipient_rank=0)
-    else:
-        opt.consolidate_state_dict(to=0)
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        torch.save(opt.state_dict(), os.path.join(path, "optim.pt"))
-
-
-def _load(impl: str, opt: Any, path: str, model: torch.nn.Module) -> None:
-    if impl in dcp_ckpt.IMPLEMENTATIONS:
-        dcp_ckpt.load(opt, model, path)
-    elif impl.startswith("oss_plus"):
-        load_checkpoint(opt, path)
-    else:
-        file = os.path.join(path, "optim.pt")
-        opt.load_state_dict(torch.load(file, weights_only=True))
 
 
 def _timed(fn: Callable[[], None]) -> tuple[float, int, float]:
@@ -176,8 +76,8 @@ def _timed(fn: Callable[[], None]) -> tuple[float, int, float]:
 def _rank_main(
     rank: int, world: int, impl: str, params_m: float, reps: int, root: str
 ) -> dict[str, Any]:
-    model = _model(params_m)
-    opt = _optimizer(impl, model)
+    model = build_model(params_m)
+    opt = build_optimizer(impl, model)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
@@ -187,7 +87,7 @@ def _rank_main(
     path = os.path.join(root, impl.replace(" ", "_"))
     saves = []
     for _ in range(reps + 1):  # the first is a warm-up: its time is not counted, its RSS is
-        saves.append(_timed(functools.partial(_save, impl, opt, path, rank, model)))
+        saves.append(_timed(functools.partial(save, impl, opt, path, rank, model)))
     warmup, saves = saves[0], saves[1:]
     dist.barrier()  # every rank has removed its share of the replaced files
     size = sum(f.stat().st_size for f in Path(path).iterdir()) if rank == 0 else 0
@@ -196,9 +96,9 @@ def _rank_main(
     gc.collect()
     loads = []
     for _ in range(0 if impl.startswith("disk floor") else reps):
-        fresh = _optimizer(impl, model)
+        fresh = build_optimizer(impl, model)
         before = rss()
-        seconds, peak, _ = _timed(functools.partial(_load, impl, fresh, path, model))
+        seconds, peak, _ = _timed(functools.partial(load, impl, fresh, path, model))
         loads.append((seconds, peak - before))
         del fresh
         gc.collect()
@@ -213,15 +113,6 @@ def _rank_main(
         "rank_bytes": written,
         "params": sum(p.numel() for p in model.parameters()),
     }
-
-
-def _available(impl: str) -> str | None:
-    """Return why ``impl`` cannot run here, or None."""
-    if impl == "fairscale" and importlib.util.find_spec("fairscale") is None:
-        return "fairscale is not installed (pip install fairscale==0.4.13)"
-    if impl.startswith("disk floor") and importlib.util.find_spec("numpy") is None:
-        return "numpy is not installed (the floor writes tensor bytes through numpy)"
-    return None
 
 
 def _summarize(ranks_per_run: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -262,7 +153,7 @@ def run(
 ) -> dict[str, Any]:
     """Measure every implementation in ``rounds`` rounds (rotating the order, so a noisy
     moment on a shared machine does not hit one implementation only); return the summary."""
-    skipped = {impl: reason for impl in impls if (reason := _available(impl))}
+    skipped = {impl: reason for impl in impls if (reason := available(impl))}
     for impl, reason in skipped.items():
         print(f"skipping {impl}: {reason}", file=sys.stderr)
     todo = [impl for impl in impls if impl not in skipped]

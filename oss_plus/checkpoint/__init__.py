@@ -19,6 +19,10 @@ The package, by concern (imports flow down the list):
   atomic commit); no collectives.
 - :mod:`~oss_plus.checkpoint.comm`: the save's collectives (JSON metadata, the bounded
   tensor stream to rank 0), no pickle.
+- :mod:`~oss_plus.checkpoint.validate`: a checkpoint checked before any tensor is read
+  (the index, the files' sizes, the fit to the loading optimizer);
+  :mod:`~oss_plus.checkpoint.assemble`: the lazy, checked reads of the stored tensors a
+  rank asks for, and the state values they make (whole, stitched, or a piece).
 - :mod:`~oss_plus.checkpoint.save`, :mod:`~oss_plus.checkpoint.read`: the public functions;
   :mod:`~oss_plus.checkpoint.background`: asynchronous saves (staging, the writer thread).
 - :mod:`~oss_plus.checkpoint.cli`: ``python -m oss_plus ckpt inspect | convert``.

@@ -31,7 +31,7 @@ from oss_plus import _dist
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat._install import install, is_installed, uninstall
 from oss_plus.partition import Rule
-from oss_plus.plan import Layout, LocalOrder, ShardPolicy
+from oss_plus.policy import Layout, LocalOrder, ShardPolicy
 from oss_plus.sync import Bucket
 
 __all__ = ["OSS", "install", "is_installed", "uninstall"]

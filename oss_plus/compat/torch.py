@@ -27,7 +27,6 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from oss_plus import _dist, _params
-from oss_plus import dcp as _dcp
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat._torch_install import install, is_installed, uninstall
 from oss_plus.compat._torch_params import (  # noqa: F401 - the messages are public here too
@@ -53,7 +52,8 @@ from oss_plus.compat.ddp_zero_hook import (
     hook_with_zero_step_interleaved,
 )
 from oss_plus.partition import Rule
-from oss_plus.plan import Layout, ShardPolicy
+from oss_plus.policy import Layout, ShardPolicy
+from oss_plus.torch_callers import GET, torch_options
 
 __all__ = [
     "ZeroRedundancyOptimizer",
@@ -317,7 +317,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
                 the last step (and ``collective_state_dict`` is False), or some rank did not
                 call a collective ``state_dict()``.
         """
-        from_dcp = _dcp.torch_options(_dcp.GET) is not None  # torch's get_*state_dict
+        from_dcp = torch_options(GET) is not None  # torch's get_*state_dict
         if self.consolidated_state is None and not self.collective_state_dict and not from_dcp:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         return super().state_dict()

@@ -7,7 +7,8 @@ trainers read from DDP (``is_multi_device_module``, ``device_type``, ``device``,
 ``device_ids``, ``output_device``, ``require_backward_grad_sync``). Ownership comes from the
 sharded optimizer's public ``param_to_rank``; the reduction is planned by
 :mod:`oss_plus.data_parallel.plan` and run by :mod:`oss_plus.data_parallel.reducer` over
-:mod:`oss_plus.data_parallel.buckets`.
+:mod:`oss_plus.data_parallel.buckets`; what changed before a forward, and the re-plan it
+calls for, is :mod:`oss_plus.data_parallel.replan`'s.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
 from oss_plus.data_parallel.plan import BucketCap
-from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD, GradReducer
-from oss_plus.data_parallel.wiring import Settings, Watch, build_reducer, plan_for
+from oss_plus.data_parallel.reducer import GradReducer
+from oss_plus.data_parallel.replan import Change, ReduceReplanner, graph_grads
+from oss_plus.data_parallel.wiring import Settings
 from oss_plus.optimizer import OSS
-from oss_plus.partition import Rule
 
 __all__ = ["ShardedDataParallel"]
 
@@ -153,10 +154,10 @@ class ShardedDataParallel(nn.Module):
             _validate.owners_of(self._optimizers, list(module.named_parameters()))
         except (TypeError, ValueError) as exc:
             error = exc
-        graph = _graph_grads(module)
-        #: A gradient that requires grad was there at construction on some rank: the first
-        #: forward raises on every rank (as fairscale's, which checks at its first forward).
-        self._refuse_at_forward = any(_dist.agree(error, self.process_group, value=int(graph)))
+        graph = graph_grads(module)
+        # A gradient that requires grad was there at construction on some rank: the first
+        # forward raises on every rank (as fairscale's, which checks at its first forward).
+        refuse = any(_dist.agree(error, self.process_group, value=int(graph)))
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -180,9 +181,7 @@ class ShardedDataParallel(nn.Module):
         self.device_ids: list[int] | None = None
         self.output_device: int | None = None
         self._accumulate = False
-        self._devices = [p.device for p in module.parameters()]
-        self._module_buffers: list[torch.Tensor] = []
-        self._settings = Settings(
+        settings = Settings(
             self.process_group,
             cap,
             self._wire,
@@ -190,17 +189,22 @@ class ShardedDataParallel(nn.Module):
             find_unused_parameters,
             replicate_group,
         )
-        self._watch = Watch(module, self._optimizers)
-        self._reducer: GradReducer | None = None
         if sync_models_at_startup:
             self._broadcast(list(module.state_dict().values()))
-        self._replan()
+        self._reduction = ReduceReplanner(
+            module, self._optimizers, settings, refuse, self._bucket_cap(), find_unused_parameters
+        )
 
     # ----------------------------------------------------------------- DDP-like surface
     @property
     def sharded_optimizers(self) -> list[OSS]:
         """The sharded optimizers that decide who owns each gradient."""
         return list(self._optimizers)
+
+    @property
+    def _reducer(self) -> GradReducer:
+        """The reducer of the current plan (the ``ReduceReplanner``'s)."""
+        return self._reduction.reducer
 
     # Not traced by torch.compile (nor _pre_forward): dynamo compiles the module only, as under
     # DDP, and breaks no graph in oss_plus (docs/compile.md). The first call imports
@@ -235,13 +239,15 @@ class ShardedDataParallel(nn.Module):
         scope.__enter__()
         try:
             self._refresh_if_changed()
-            assert self._reducer is not None
-            if self._refuse_at_forward or self._reducer.graph_grad:
-                self._refuse_graph_grads()
+            reduction = self._reduction
+            if reduction.refuse_at_forward or self._reducer.graph_grad:
+                reduction.refuse_graph_grads()
             if self._reducer.observed is not None:
-                self._follow_observed_order(self._reducer.observed)
-            if self.broadcast_buffers and self._module_buffers:
-                self._broadcast(self._module_buffers)
+                agreed = reduction.observed_order(self._reducer.observed, self._bucket_cap())
+                if agreed is not None:
+                    self._replan(order=agreed)
+            if self.broadcast_buffers and reduction.buffers:
+                self._broadcast(reduction.buffers)
             if self.training and torch.is_grad_enabled():
                 self._reducer.start_pass(reduce=not self._accumulate)
             else:
@@ -287,7 +293,6 @@ class ShardedDataParallel(nn.Module):
 
         .. warning:: Collective: call on every rank of ``process_group``.
         """
-        assert self._reducer is not None
         self._reducer.reduce_now()
 
     def refresh_trainable(self) -> None:
@@ -305,7 +310,7 @@ class ShardedDataParallel(nn.Module):
             _arrival.entry(self.process_group, "refresh_trainable()"),
             label("oss_plus::sdp::refresh_trainable"),
         ):
-            if self._reducer is not None and self._reducer.pending and not self._accumulate:
+            if self._reducer.pending and not self._accumulate:
                 logger.warning(
                     "refresh_trainable() with gradients waiting to be reduced; for gradient "
                     "accumulation use no_sync()"
@@ -359,81 +364,23 @@ class ShardedDataParallel(nn.Module):
                 for work in works:
                     work.wait()
 
-    def _check_devices(self) -> None:
-        for (name, param), before in zip(self.module.named_parameters(), self._devices):
-            if param.device != before:
-                raise ValueError(
-                    _validate.MODULE_MOVED.format(name=name, before=before, after=param.device)
-                )
-
-    def _refuse_graph_grads(self) -> None:
-        """Raise while a gradient requires grad (checked only after one was seen)."""
-        assert self._reducer is not None
-        at_start, self._refuse_at_forward = self._refuse_at_forward, False
-        if at_start or _graph_grads(self.module):
-            raise RuntimeError(GRAD_REQUIRES_GRAD)
-        self._reducer.graph_grad = False
-
     def _refresh_if_changed(self) -> None:
         """Re-plan when the partition changed; with ``auto_refresh_trainable``, also when the
-        params changed (C-level passes; see :class:`~oss_plus.data_parallel.wiring.Watch`)."""
-        watch = self._watch
-        if not self.auto_refresh_trainable:
-            if watch.plans_changed():
-                logger.info("the optimizer's partition changed: re-planning")
-                self._replan()
-            return
-        if not watch.params_changed() and not watch.plans_changed():
-            return
-        self._check_devices()
-        if watch.trainability_changed():
+        params changed; repartition first when their trainability changed
+        (:meth:`~oss_plus.data_parallel.replan.ReduceReplanner.change`)."""
+        change = self._reduction.change(self.auto_refresh_trainable)
+        if change is Change.TRAINABILITY:
             if self.warn_on_trainable_params_changed:
                 logger.warning(TRAINABLE_CHANGED)
             self.refresh_trainable()
-            return
-        if watch.addresses_changed():  # a dtype change moves the flat rule's cut
-            for optimizer in self._optimizers:
-                if optimizer.policy.rule is Rule.FLAT:
-                    optimizer.install_sync()
-        logger.info("the params or the optimizer's partition changed: re-planning")
-        self._replan()
-
-    def _follow_observed_order(self, observed: list[int]) -> None:
-        """Once after a (re)plan, as DDP's bucket rebuild: adopt the order in which rank 0's
-        first backward produced the gradients, and re-plan if the buckets change. One
-        broadcast and one host read, at this forward only."""
-        assert self._reducer is not None
-        count = len(self._reducer.params)
-        order = torch.full((count,), -1, dtype=torch.int64)
-        order[: len(observed)] = torch.tensor(observed, dtype=torch.int64)
-        order = order.to(_dist.comm_device(self.process_group))
-        for group in (self.process_group, self.replicate_group):  # every replica alike
-            if group is not None:
-                dist.broadcast(order, src=_dist.global_rank(group, 0), group=group)
-        agreed = [i for i in order.tolist() if i >= 0]
-        self._reducer.observed = None
-        plan = plan_for(self.module, self._optimizers, self._bucket_cap(), agreed)[1]
-        if plan != self._reducer.plan:
-            logger.info("re-planning the buckets in the order backward produced the gradients")
-            self._replan(order=agreed)
+        elif change is Change.REPLAN:
+            self._replan()
 
     def _replan(self, order: list[int] | None = None) -> None:
-        """Rebuild the reduce plan and hooks from the optimizers' current partition (buckets
-        in ``order``; without one, the next backward's order is recorded and followed)."""
-        if self._reducer is not None:
-            self._reducer.remove()
-        self._settings.bucket_numel = self._bucket_cap()
-        self._settings.find_unused = self.find_unused_parameters
-        self._reducer = build_reducer(self.module, self._optimizers, self._settings, order)
-        self._module_buffers = list(self.module.buffers())
-        self._watch = Watch(self.module, self._optimizers)
-        self._refuse_at_forward |= _graph_grads(self.module)  # fairscale checks at setup
+        """Rebuild the reduce plan and hooks (buckets in ``order``; without one, the next
+        backward's order is recorded and followed) with the current bucket settings."""
+        self._reduction.replan(self._bucket_cap(), self.find_unused_parameters, order)
 
     def _bucket_cap(self) -> BucketCap:
         """The buckets' cap from :attr:`reduce_buffer_size` or :attr:`bucket_cap_mb`."""
         return _validate.bucket_cap(self.reduce_buffer_size, self.bucket_cap_mb)
-
-
-def _graph_grads(module: nn.Module) -> bool:
-    """Whether a param of ``module`` has a ``.grad`` that requires grad (one pass)."""
-    return any(p.grad is not None and p.grad.requires_grad for p in module.parameters())
