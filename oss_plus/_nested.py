@@ -7,7 +7,7 @@ tensors it holds, in a fixed depth-first order, and a *skeleton*: JSON data in w
 ``n``-th tensor is ``{"tensor": n}``. :func:`unflatten_value` puts them back together.
 Tensors can then travel as tensors (collectives, safetensors) and the skeleton as JSON text.
 
-The skeleton uses the type tags of the checkpoint format (``docs/checkpoints.md``), so
+The skeleton uses the type tags of the checkpoint format (``docs/checkpoint_format.md``), so
 JSON's blind spots do not lose information: a tuple is ``{"tuple": [...]}``, a dict is
 ``{"dict": [[key, value], ...]}`` (keys of any JSON-able type), a float is
 ``{"float": 0.9}`` (``"inf"``, ``"-inf"``, ``"nan"`` as strings); None, bools, ints, strings

@@ -26,7 +26,7 @@ plain DDP + Adam, no ``OSS`` (the DDP reference run of a script that installs th
 issue 36). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch
 interval, so a non-Python thread that needs the GIL waits that long (it widens the window of
 a GIL race at exit).
-tests/test_lifecycle.py runs it; docs/reliability.md has the counts measured with it.
+tests/test_lifecycle.py runs it.
 """
 
 from __future__ import annotations

@@ -135,8 +135,8 @@ def _save_once(
     Every rank returns (blocking) or its future completes (not blocking) once the writers'
     commit is done, or raises naming the failed rank: the outcome is agreed over the
     replicate group (not blocking: over a checkpoint group of its ranks, in the saver's
-    thread). Distributed checkpointing (DCP) is to follow the same rule: only replica set 0
-    contributes write items (:func:`oss_plus.hybrid.is_writer`).
+    thread). torch's DCP needs nothing of this: every replica set offers the same chunks
+    and DCP's planner keeps one writer per chunk (tests/test_dcp_hybrid.py).
     """
     writer = dist.get_rank(replicas) == 0
     if blocking:
