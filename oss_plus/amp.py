@@ -3,8 +3,9 @@
 ``torch.amp.GradScaler`` decides from the gradients of one process whether ``step()`` runs.
 With a sharded optimizer every rank must step (the step ends in broadcasts), so when an
 inf/NaN appears on one rank only (no DDP averaging, e.g. gradient accumulation, or a bad
-batch) the plain scaler skips on that rank and the others wait in the broadcast forever
-(fairscale defect #9), and the scales of the ranks drift apart.
+batch; under ZeRO-2 each rank holds only its own gradients) the plain scaler skips on that
+rank and the others wait in the broadcast forever (fairscale defect #9 with fairscale's and
+torch's sharded optimizers), and the scales of the ranks drift apart.
 
 :class:`ShardedGradScaler` changes one thing: after unscaling, the found-inf flag is
 MAX-reduced over the optimizer's group, so every rank skips the same steps and updates the
