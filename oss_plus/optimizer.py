@@ -321,6 +321,9 @@ class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
                 inner hooks) on any rank is raised on every rank at the next check (at
                 world size 1: here); the sync completes first and nothing is undone (see
                 ``docs/design.md``, "When a step fails").
+            RuntimeError: stepped by a plain ``torch.amp.GradScaler`` that cannot be followed
+                exactly (:func:`oss_plus.amp.scaled_step_skips`), on every rank, nothing
+                updated.
 
         .. warning:: Collective: call on every rank of ``group``.
         """
