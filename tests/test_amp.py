@@ -402,3 +402,32 @@ def test_the_recipe_in_docs_amp_md_runs(pool):
         # a run whose optimizer did nothing
         assert abs(loss - ref_loss) < abs(still_loss - ref_loss) / 4
         assert norm == pytest.approx(ref_norm, rel=1e-2)
+
+
+def agreements_task(ctx, plain):
+    """How many found-inf agreements one scaled step of OSS makes (each is an all_gather and
+    a host read): ShardedGradScaler's own only, a plain GradScaler's in OSS.step only."""
+    from oss_plus import _dist
+
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    scaler = (torch.amp.GradScaler if plain else ShardedGradScaler)("cpu", init_scale=2.0**8)
+    scaled_backward(model, scaler, batch(3))
+    calls, agree = [], _dist.agree
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return agree(*args, **kwargs)
+
+    _dist.agree = counted
+    try:
+        scaler.step(opt)
+    finally:
+        _dist.agree = agree
+    scaler.update()
+    return len(calls)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain"])
+def test_one_found_inf_agreement_per_step(pool, plain):
+    assert pool.run(agreements_task, plain, world_size=2, timeout=30) == [1, 1]
