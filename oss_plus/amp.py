@@ -215,7 +215,8 @@ class ScalerContract:
     its own, it checks the gradients it sees, sets ``grad_scale`` (the scale; None after
     :meth:`~torch.amp.GradScaler.unscale_`) and ``found_inf`` on the optimizer and calls
     ``step()``. There :func:`scaled_step_skips` unscales what is left, the pieces of cut
-    params included, and agrees with every rank whether to step.
+    params included, and agrees with every rank whether to step. A subclass may turn it off
+    (``oss_plus.compat.torch.ZeroRedundancyOptimizer`` does, as torch's class has none).
     """
 
     #: torch.amp.GradScaler.step hands ``grad_scale`` and ``found_inf`` to ``step()``.
@@ -242,7 +243,8 @@ def scaled_step_skips(optimizer: Any) -> bool:
     unsharded optimizer's bit for bit). Without it (``unscale_()`` ran) the ``.grad`` are
     unscaled; piece gradients, which the scaler cannot see, are refused. Then one
     ``all_gather`` over ``optimizer.group``: whether each rank's scaler found inf/NaN, and
-    whether anything this rank holds is non-finite.
+    whether anything this rank holds is non-finite. Two host reads (the local flags, then
+    every rank's); torch's classic path reads its flag once.
 
     Returns:
         True when any rank found inf/NaN: every rank skips the step.
