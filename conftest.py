@@ -30,6 +30,7 @@ PORTABLE = (
     "tests/test_sdp_api.py",
     "tests/test_sdp_zero2.py",
     "tests/test_sdp_flat.py",
+    "tests/test_sdp_scaler.py",
     "tests/test_attach.py",
     "tests/test_replan.py",
     "tests/test_overlap.py",

@@ -96,26 +96,31 @@ def test_bad_params_raise_the_exception_types_torch_raises(pool):
 
 
 # ------------------------------------------------------------------ Join
-def join_task(ctx, bucket_view):
+def join_task(ctx, bucket_view, scaled=False):
+    """``scaled``: under a plain torch.amp.GradScaler, which steps torch's class the classic
+    way (the adapter too: its Join shadow step could not join OSS's agreement on the flag)."""
     from torch.nn.parallel import DistributedDataParallel
 
     out = {}
     for kind, m in zip(CLASSES, clones(make_diff_model(), 2)):
         ddp = DistributedDataParallel(m, process_group=ctx.group)
         opt = build(kind, ddp.parameters(), ctx, bucket_view)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
         with Join([ddp, opt]):
             for step in range(2 + 2 * ctx.rank):  # uneven inputs
                 opt.zero_grad()
-                diff_loss(ddp, step, rank=ctx.rank).backward()
-                opt.step()
+                scaler.scale(diff_loss(ddp, step, rank=ctx.rank)).backward()
+                scaler.step(opt)
+                scaler.update()
         out[kind] = flat_params(m)
     return out
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "grad-scaler"])
 @pytest.mark.parametrize("bucket_view", MODES, ids=MODE_IDS)
-def test_join_with_ddp_and_uneven_inputs(pool, bucket_view):
+def test_join_with_ddp_and_uneven_inputs(pool, bucket_view, scaled):
     """No rank hangs; the result equals torch ZeRO's, bit for bit."""
-    results = pool.run(join_task, bucket_view, world_size=3, timeout=60)
+    results = pool.run(join_task, bucket_view, scaled, world_size=3, timeout=60)
     for r in results:
         assert torch.equal(r["torch"], r["ours"])
         assert torch.equal(r["ours"], results[0]["ours"])

@@ -23,6 +23,7 @@ from torch.optim import SGD, Optimizer
 
 from oss_plus import _arrival, _dist, _params, hybrid
 from oss_plus._params import PLANS_DIFFER
+from oss_plus.amp import ScalerContract
 from oss_plus.clip import ShardedClip
 from oss_plus.inflight import ForwardWaits
 from oss_plus.main_copy import MAIN_KEY, split_main
@@ -39,7 +40,7 @@ from oss_plus.sync import BucketSync
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 
-class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
+class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of
@@ -320,10 +321,15 @@ class OSS(PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
                 inner hooks) on any rank is raised on every rank at the next check (at
                 world size 1: here); the sync completes first and nothing is undone (see
                 ``docs/design.md``, "When a step fails").
+            RuntimeError: stepped by a plain ``torch.amp.GradScaler`` that cannot be followed
+                exactly (:func:`oss_plus.amp.scaled_step_skips`), on every rank, nothing
+                updated.
 
         .. warning:: Collective: call on every rank of ``group``.
         """
         self.settle()
+        if self._scaled_step_skips():  # a GradScaler's inf/NaN, agreed by every rank (amp.py)
+            return None
         replan = self._replanner
         if self.auto_refresh:  # a changed plan is adopted by every rank together, or none
             plan = replan.follow()

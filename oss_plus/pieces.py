@@ -293,7 +293,8 @@ class PieceGrads:
         param's dtype and device) instead of the slice of the param's ``.grad``, so a rank
         need not hold the whole gradient of a param it holds only a piece of (ZeRO-2:
         :class:`oss_plus.ShardedDataParallel`). ``ShardedGradScaler`` unscales and checks it
-        like a ``.grad``. :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
+        like a ``.grad``, and so does :meth:`step` under a plain ``GradScaler.step``
+        (:mod:`oss_plus.amp`). :meth:`step` and :meth:`zero_grad` drop it; None drops it now.
 
         Raises:
             ValueError: this rank holds no piece of ``index``, or ``grad`` does not fit it.

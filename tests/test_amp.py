@@ -16,6 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler
 from oss_plus._dist import PEER_FAILED
+from oss_plus.amp import SCALES_WOULD_DIFFER
 
 INF_STEPS = (1, 3)
 
@@ -88,13 +89,68 @@ def test_the_plain_grad_scaler_disagrees_between_ranks(pool):
     assert found == [0.0, 1.0]  # rank 0 would step and broadcast, rank 1 would skip: a hang
 
 
-def parity_task(ctx, clip, steps=6):
-    """Same batch everywhere: OSS + ShardedGradScaler == plain Adam + torch.amp.GradScaler."""
+def plain_scaler_step_task(ctx, unscale):
+    """That scenario through scaler.step(): OSS.step gets the scaler's flag (torch's
+    _step_supports_amp_scaling contract) and the ranks compare theirs."""
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaled_backward(model, scaler, batch(10 + ctx.rank))
+    poison(ctx, model, opt, INF_STEPS[0])
+    before = flat_params(model)
+
+    def step():
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+
+    outcome = catch(step)
+    left = [name for name in ("grad_scale", "found_inf") if hasattr(opt, name)]
+    return outcome, torch.equal(before, flat_params(model)), left
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale-step"])
+def test_a_plain_grad_scaler_that_would_diverge_is_refused_on_every_rank(pool, unscale):
+    """Before torch's contract: a hang. Now every rank raises, nothing stepped, and the
+    optimizer keeps no stale grad_scale (the next GradScaler.step would multiply it)."""
+    for (kind, message), untouched, left in pool.run(
+        plain_scaler_step_task, unscale, world_size=2, timeout=30
+    ):
+        assert kind == "RuntimeError"
+        assert message == SCALES_WOULD_DIFFER.format(blind=[0])
+        assert untouched and not left
+
+
+def plain_fp16_task(ctx):
+    """fp16 grads on one rank under a plain GradScaler.step(): OSS.step refuses to unscale
+    them as GradScaler.unscale_ does, on every rank."""
+    model = make_model()
+    opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+    if ctx.rank == 1:
+        for p in model.parameters():
+            p.data = p.data.half()
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(batch(0).to(next(model.parameters()).dtype)).float().sum()
+    scaler.scale(loss).backward()
+    return catch(scaler.step, opt)
+
+
+def test_fp16_gradients_under_a_plain_scaler_raise_on_every_rank(pool):
+    theirs, mine = pool.run(plain_fp16_task, world_size=2, timeout=30)
+    assert mine == ("ValueError", "Attempting to unscale FP16 gradients.")
+    assert theirs[0] == "ValueError" and PEER_FAILED.format(ranks=[1]) in theirs[1]
+
+
+def parity_task(ctx, clip, steps=6, plain=False):
+    """Same batch everywhere: OSS + ShardedGradScaler (``plain``: torch.amp.GradScaler, which
+    hands its scale to OSS.step) == plain Adam + torch.amp.GradScaler."""
     model = make_model()
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
     ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+    kind = torch.amp.GradScaler if plain else ShardedGradScaler
+    scaler = kind("cpu", init_scale=2.0**20, growth_interval=2)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
     scales, norms = [], []
     for step in range(steps):
@@ -116,16 +172,18 @@ def parity_task(ctx, clip, steps=6):
     return scales, exact, diff, norms
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain"])
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "offset23"])
-def test_same_steps_and_scales_as_torch_grad_scaler(pool, world):
-    for scales, exact, _, _ in pool.run(parity_task, False, **world):
+def test_same_steps_and_scales_as_torch_grad_scaler(pool, world, plain):
+    for scales, exact, _, _ in pool.run(parity_task, False, plain=plain, **world):
         assert all(a == b for a, b in scales)
         assert len({a for a, _ in scales}) > 1  # the scale moved (overflow backoff / growth)
         assert exact
 
 
-def test_clip_grad_norm_between_unscale_and_step(pool):
-    for scales, _, diff, norms in pool.run(parity_task, True, world_size=3):
+@pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain"])
+def test_clip_grad_norm_between_unscale_and_step(pool, plain):
+    for scales, _, diff, norms in pool.run(parity_task, True, plain=plain, world_size=3):
         assert all(a == b for a, b in scales)
         finite = [(a, b) for a, b in zip(norms[::2], norms[1::2]) if torch.isfinite(b)]
         assert finite and all(torch.allclose(a, b, rtol=1e-6) for a, b in finite)
@@ -344,3 +402,32 @@ def test_the_recipe_in_docs_amp_md_runs(pool):
         # a run whose optimizer did nothing
         assert abs(loss - ref_loss) < abs(still_loss - ref_loss) / 4
         assert norm == pytest.approx(ref_norm, rel=1e-2)
+
+
+def agreements_task(ctx, plain):
+    """How many found-inf agreements one scaled step of OSS makes (each is an all_gather and
+    a host read): ShardedGradScaler's own only, a plain GradScaler's in OSS.step only."""
+    from oss_plus import _dist
+
+    model = make_model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    scaler = (torch.amp.GradScaler if plain else ShardedGradScaler)("cpu", init_scale=2.0**8)
+    scaled_backward(model, scaler, batch(3))
+    calls, agree = [], _dist.agree
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return agree(*args, **kwargs)
+
+    _dist.agree = counted
+    try:
+        scaler.step(opt)
+    finally:
+        _dist.agree = agree
+    scaler.update()
+    return len(calls)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain"])
+def test_one_found_inf_agreement_per_step(pool, plain):
+    assert pool.run(agreements_task, plain, world_size=2, timeout=30) == [1, 1]

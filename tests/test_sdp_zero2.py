@@ -13,8 +13,8 @@ from sdp_utils import Net, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS, ShardedDataParallel
+from oss_plus.amp import PIECES_NOT_UNSCALED
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD
-from oss_plus.data_parallel.wiring import PIECES_NOT_UNSCALED
 
 #: Collectives whose elements are counted, and the share of them each rank sends under the
 #: bandwidth-optimal algorithm (ring): the all-reduce of S elements sends 2 (N - 1) / N * S
@@ -180,9 +180,10 @@ def test_a_gradient_that_requires_grad_is_refused_on_every_rank(pool, case):
 
 
 def plain_scaler_task(ctx, sharded):
-    """torch.amp.GradScaler over SDP + the flat rule (the pieces of cut params are no .grad,
-    so it cannot unscale them): refused from the step on every rank, nothing stepped; the
-    ShardedGradScaler steps like DDP + plain Adam + GradScaler (tests/test_sdp_flat.py)."""
+    """torch.amp.GradScaler.unscale_() over SDP + the flat rule (the pieces of cut params are
+    no .grad, so it cannot unscale them): the step that follows is refused on every rank,
+    nothing stepped; the ShardedGradScaler steps like DDP + plain Adam + GradScaler
+    (tests/test_sdp_flat.py; scaler.step() alone: tests/test_sdp_scaler.py)."""
     from oss_plus import ShardedGradScaler
 
     torch.manual_seed(0)
@@ -198,6 +199,7 @@ def plain_scaler_task(ctx, sharded):
     held = len(opt.piece_grads())
     error = None
     try:
+        scaler.unscale_(opt)
         scaler.step(opt)
         opt.settle()  # a step's error is raised at the next check (issue 27)
     except RuntimeError as exc:
@@ -208,7 +210,7 @@ def plain_scaler_task(ctx, sharded):
 
 
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[4]], ids=["ws2", "offset23"])
-def test_a_plain_grad_scaler_is_refused_on_every_rank_before_stepping(pool, world):
+def test_a_plain_grad_scalers_unscale_is_refused_on_every_rank_before_stepping(pool, world):
     for r in pool.run(plain_scaler_task, False, **world):
         assert r["held"] > 0, "the ranks must hold pieces of cut params"
         assert r["error"] is not None and PIECES_NOT_UNSCALED in r["error"]

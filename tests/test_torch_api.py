@@ -36,6 +36,9 @@ PRIVATE = {
     "torch._foreach_mul_": "oss_plus/_norms.py",
     "torch._foreach_copy_": "oss_plus/data_parallel/reducer.py",
     "torch._amp_foreach_non_finite_check_and_unscale_": "oss_plus/amp.py",
+    "Optimizer._step_supports_amp_scaling": "oss_plus/amp.py",
+    "GradScaler._unscale_grads_": "oss_plus/amp.py",
+    "GradScaler._per_optimizer_states": "oss_plus/amp.py",
     "Optimizer._optimizer_state_dict_pre_hooks": "oss_plus/state_dict.py",
     "DistributedDataParallel._has_rebuilt_buckets": "oss_plus/compat/ddp_zero_hook.py",
     "Module._parameters": "oss_plus/data_parallel/wiring.py",
@@ -50,6 +53,9 @@ PRIVATE = {
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
+#: Set by an optimizer and read by torch (no attribute to find on torch's side): its effect
+#: is checked instead (test_grad_scaler_hands_its_scale_over).
+CONTRACTS = {"Optimizer._step_supports_amp_scaling"}
 ROOT = DOC.parents[1]
 
 
@@ -196,7 +202,8 @@ def test_arrival_check_falls_back_when_torch_has_no_default_store_getter(pool):
 WITHOUT_GROUP = sorted(
     n
     for n in PRIVATE
-    if not n.startswith(("DistributedDataParallel.", "ProcessGroupGloo.")) and n not in OPTIONAL
+    if not n.startswith(("DistributedDataParallel.", "ProcessGroupGloo."))
+    and n not in OPTIONAL | CONTRACTS
 )
 
 
@@ -211,6 +218,7 @@ def test_every_listed_api_exists_on_this_torch(name):
         "Module": torch.nn.Linear(1, 1),
         "state_dict": torch_state_dict,
         "ShardedTensor": ShardedTensor,
+        "GradScaler": torch.amp.GradScaler("cpu"),
     }
     owner, *path = name.split(".")
     obj = owners[owner]
@@ -344,3 +352,40 @@ def test_gloo_worker_threads_carry_the_name_the_exit_handler_waits_for(pool):
         found = set(_exit.GLOO_WORKER_NAMES) <= set(names)
         assert found == named, (named, sorted(set(names)))
         assert busy == 0  # idle after the collective, or none found
+
+
+class _Recording(torch.optim.Optimizer):
+    """Records what a GradScaler hands to a step (torch's fused optimizers' contract)."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append((getattr(self, "grad_scale", None), self.found_inf.clone()))
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale-step"])
+def test_grad_scaler_hands_its_scale_over(unscale):
+    """oss_plus.amp.ScalerContract relies on it: with ``_step_supports_amp_scaling``,
+    ``GradScaler.step`` calls ``step()`` with ``grad_scale`` (the scale; None after
+    ``unscale_``) and ``found_inf`` set, leaves the gradients scaled unless ``unscale_`` ran,
+    records the found flag for ``update()`` and removes both attributes after the step."""
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = _Recording([param])
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale((param * torch.tensor([1.0, 2.0, float("inf")])).sum()).backward()
+    if unscale:
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    ((grad_scale, found),) = opt.seen
+    assert found.item() == 1.0
+    if unscale:
+        assert grad_scale is None and param.grad[:2].tolist() == [1.0, 2.0]
+    else:
+        assert grad_scale.item() == 8.0 and param.grad[:2].tolist() == [8.0, 16.0]
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    scaler.update()
+    assert scaler.get_scale() == 4.0  # the recorded flag backed the scale off

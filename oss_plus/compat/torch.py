@@ -140,8 +140,16 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         ...     for batch in batches:
         ...         ddp(batch).sum().backward(); opt.step()
 
+    A plain ``torch.amp.GradScaler`` steps it as it steps torch's class (unscale, then skip
+    on the rank that found inf/NaN): ``OSS``'s scaling contract (:mod:`oss_plus.amp`) is off
+    here, since the shadow step of a rank that joined (``Join``) could not take part in its
+    agreement. ``oss_plus.ShardedGradScaler`` agrees on the flag (outside ``Join``).
+
     .. warning:: Collective: construct on every rank of ``process_group``.
     """
+
+    #: Off: torch's class has no such contract (see above).
+    _step_supports_amp_scaling = False
 
     def __init__(
         self,

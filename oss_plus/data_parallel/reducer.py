@@ -179,10 +179,6 @@ class GradReducer:
         #: Owned transient buckets' members with no local gradient: (index, place, sum).
         self._deferred: list[tuple[int, tuple[int, int], torch.Tensor]] = []
 
-    def on_remove(self, handle: Any) -> None:
-        """Remove ``handle`` (a hook registered for this reducer) with the reducer's own."""
-        self._handles.append(handle)
-
     def remove(self) -> None:
         """Detach the hooks (the reducer is being replaced)."""
         for handle in self._handles + self._recorders:

@@ -9,15 +9,13 @@ param) and run only when ``auto_refresh_trainable`` asks for automatic detection
 
 :func:`build_reducer` plans the buckets (:func:`~oss_plus.data_parallel.plan.plan_buckets`)
 from the optimizers' public contract: ``param_to_rank``, ``plan`` and ``flat_params()``
-(the flat rule's layout), and routes a cut param's piece to ``OSS.set_piece_grad``. Under
-the flat rule it also registers :func:`refuse_plain_scaler` as a step pre-hook of the
-optimizer's inner optimizer (``OSS.optim``).
+(the flat rule's layout), and routes a cut param's piece to ``OSS.set_piece_grad`` (which a
+grad scaler unscales through ``OSS``'s side of torch's scaling contract, :mod:`oss_plus.amp`).
 """
 
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
@@ -25,25 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from oss_plus.amp import ShardedGradScaler
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.plan import BucketCap, GradSpec, ReducePlan, plan_buckets
 from oss_plus.data_parallel.reducer import GradReducer
 from oss_plus.optimizer import OSS
 
-__all__ = ["PIECES_NOT_UNSCALED", "Settings", "Watch", "build_reducer", "plan_for"]
-
-#: Raised (from the step, so on every rank) when a plain GradScaler steps a flat-rule
-#: optimizer under ZeRO-2: it cannot unscale the pieces of cut params, which no .grad holds.
-PIECES_NOT_UNSCALED = (
-    "ShardedDataParallel with partition_rule='flat': torch.amp.GradScaler cannot unscale "
-    "the gradients of the pieces of params the ranges cut, which no .grad holds "
-    "(OSS.piece_grads()), so the step would apply them still scaled. Use "
-    "oss_plus.ShardedGradScaler, which unscales and checks them too (a drop-in for "
-    "torch.amp.GradScaler and fairscale's ShardedGradScaler)"
-)
-#: The code objects of torch.amp.GradScaler's stepping methods (a subclass shares them).
-_SCALER_STEPS = {torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__}
+__all__ = ["Settings", "Watch", "build_reducer", "plan_for"]
 
 #: Read from every param in a C-level pass: trainability, and the address of its data,
 #: which changes whenever ``module.to(...)`` / ``.double()`` replace it.
@@ -148,7 +133,7 @@ def build_reducer(
     """A reducer over the current trainable params and partition (buckets in ``order``;
     without one, the next backward's order is recorded)."""
     trainable, plan = plan_for(module, optimizers, settings.bucket_numel, order)
-    reducer = GradReducer(
+    return GradReducer(
         trainable,
         plan,
         settings.group,
@@ -159,22 +144,3 @@ def build_reducer(
         _piece_receiver(optimizers, trainable),
         settings.replicate,
     )
-    for optimizer in optimizers:  # inside the step: a raise reaches every rank
-        if optimizer.plan.split:
-            reducer.on_remove(optimizer.optim.register_step_pre_hook(refuse_plain_scaler))
-    return reducer
-
-
-def refuse_plain_scaler(*_: Any) -> None:
-    """Step pre-hook of a flat-rule optimizer's inner optimizer: raise
-    :data:`PIECES_NOT_UNSCALED` when a ``torch.amp.GradScaler`` other than
-    :class:`~oss_plus.ShardedGradScaler` is stepping it (found on the call stack: its
-    ``step`` frames). Inside ``OSS.step`` the error reaches every rank before any update.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _SCALER_STEPS:
-            owner = frame.f_locals.get("self")
-            if not isinstance(owner, ShardedGradScaler):
-                raise RuntimeError(PIECES_NOT_UNSCALED)
-        frame = frame.f_back  # type: ignore[assignment]
