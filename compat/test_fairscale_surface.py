@@ -177,3 +177,33 @@ def test_every_read_of_the_surface_matches_fairscale(pool, name, world):
         assert not differ, {k: (theirs[k], ours[k]) for k in differ}
         assert theirs["param_groups are the given dicts"] == [True]
         assert theirs["_per_device_params"]  # the comparison is not vacuous
+
+
+class SGDWithStepKWArg(torch.optim.SGD):
+    """fairscale's own ``test_step_with_kwargs`` optimizer: a step that takes a keyword and
+    ignores its ``closure`` argument."""
+
+    def step(self, closure=None, kwarg=None):
+        super().step()
+        kwarg.append(closure)
+
+
+def step_kwargs_task(ctx, cls):
+    x = torch.tensor([1.0], requires_grad=True)
+    opt = cls([x], SGDWithStepKWArg, group=ctx.group, lr=0.1)
+    x.backward()
+    seen = []
+    opt.step(0, kwarg=seen)  # a closure that is not callable goes to the inner step as it is
+    return seen, x.detach().clone()
+
+
+def both_step_kwargs_task(ctx):
+    return step_kwargs_task(ctx, FairscaleOSS), step_kwargs_task(ctx, compat_fairscale.OSS)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_step_passes_a_non_callable_closure_and_keywords_through_as_fairscale(pool, world):
+    """fairscale's ``test_step_with_kwargs`` (``o.step(0, kwarg=kwarg)``), on both classes."""
+    for theirs, ours in pool.run(both_step_kwargs_task, world_size=world):
+        assert theirs[0] == ours[0] == [0]
+        assert torch.equal(theirs[1], ours[1]) and not torch.equal(ours[1], torch.ones(1))

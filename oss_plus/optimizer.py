@@ -309,7 +309,8 @@ class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
                 fairscale's ``ShardedDataParallel`` calls :meth:`refresh_trainable` in its
                 forward, as under Lightning 1.9's ``ddp_sharded``); the local step's first
                 call of it returns that loss, later calls (an inner optimizer that calls it
-                again) run it again.
+                again) run it again. A value that is not callable is passed to the inner
+                step as it is, as fairscale passes it.
             **kwargs: passed to the inner optimizer's ``step``.
 
         Returns:
@@ -337,8 +338,10 @@ class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
                 return None  # this rank's plan changed, not every rank's
         self.drop_consolidated()
         error: Exception | None = None
-        if closure is not None:  # first, then read what it may replace (see evaluate_first)
+        if callable(closure):  # first, then read what it may replace (see evaluate_first)
             kwargs["closure"], error = evaluate_first(closure)
+        elif closure is not None:  # not a closure: the inner step's business (as fairscale)
+            kwargs["closure"] = closure
         sync, redirect = replan.sync, None
         copy_hyper(self.param_groups, self.optim.param_groups)
         if isinstance(sync, BucketSync):  # the exact values of what went compressed are stepped
