@@ -122,10 +122,11 @@ class MainCopy:
 
     @torch.no_grad()
     def send(self, sent: torch.Tensor, slot: torch.Tensor | None = None) -> None:
-        """Keep the region's exact values, write them rounded into ``sent`` (the wire copy)
-        and round the region the same way; record the writers' versions. After a step of
-        the main copy itself (:meth:`absorb`) the main values are rounded (two passes
-        instead of three); the status ``slot`` (a view of the region) is taken first."""
+        """Keep the region's exact values and write them rounded into ``sent`` (the wire
+        copy); :meth:`widen` then rounds the region the same way. After a step of the main
+        copy itself (:meth:`absorb`) the main values are rounded (one pass; the status
+        ``slot``, a view of the region, is taken first); else the region is kept, then
+        rounded (two passes)."""
         self.sent = sent
         if self.mode is _Mode.STEPPED:
             at = None if slot is None else offset_in(slot, self.region)
@@ -135,9 +136,16 @@ class MainCopy:
         else:
             self.main.copy_(self.region)
             sent.copy_(self.region)
-        self.region.copy_(sent)
-        self._versions = list(map(_VERSION, self.writers))
         self.mode, self._compare = _Mode.SENT, False
+
+    @torch.no_grad()
+    def widen(self) -> None:
+        """After :meth:`send`: the region takes the values every rank receives (``sent``
+        widened; called once the transfer of ``sent`` started, so that the pass overlaps
+        it: the transfer only reads ``sent``); record the writers' versions."""
+        assert self.sent is not None
+        self.region.copy_(self.sent)
+        self._versions = list(map(_VERSION, self.writers))
 
     def written(self) -> None:
         """Something wrote into the region without moving a version counter (``p.data``):
@@ -228,6 +236,7 @@ class MainCopies:
         self._pieces = list(pieces)
         #: by ``id``: the holders with a main copy
         self.held = {id(h): h for h, _ in self.regions if h.main is not None}
+        self._sending: list[MainCopy] = []  # sent, not yet widened (:meth:`widen`)
 
     @classmethod
     def of(
@@ -253,9 +262,20 @@ class MainCopies:
         return main
 
     def send(self, holder: Any, region: torch.Tensor, sent: torch.Tensor, slot: Any = None) -> None:
-        """Round ``region`` (``holder``'s, ``slot`` its status slot or None) into ``sent``
-        and itself, keeping its exact values."""
-        self._copy_of(holder, region).send(sent, slot)
+        """Round ``region`` (``holder``'s, ``slot`` its status slot or None) into ``sent``,
+        keeping its exact values; :meth:`widen` rounds the region itself, once the transfers
+        of ``sent`` started."""
+        main = self._copy_of(holder, region)
+        main.send(sent, slot)
+        self._sending.append(main)
+
+    def widen(self) -> None:
+        """Round every region sent since the last call the way its wire copy was
+        (:meth:`MainCopy.widen`): call it after starting their transfers, before the
+        transfers are waited for and before anything reads the params."""
+        sending, self._sending = self._sending, []
+        for main in sending:
+            main.widen()
 
     def restore(self, compressed: Any, keys: set[int] | None = None, plan: Any = None) -> list[Any]:
         """Put the exact values back (of the holders of ``keys`` only, when given); drop the

@@ -302,6 +302,7 @@ class BucketSync:
             transfer = Pending(finish, held)
             pending.append(transfer)
             covers.update((id(b), transfer) for b in brought)
+        self.mains.widen()  # this rank's regions, while the gathers run
         return pending, covers
 
     def _finish_gather(
@@ -334,7 +335,9 @@ class BucketSync:
         """
         if self.world_size == 1:
             return []
-        return [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
+        started = [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
+        self.mains.widen()  # this rank's regions, while the broadcasts run
+        return started
 
     def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None, code: int) -> Pending:
         flat = bucket.flat
