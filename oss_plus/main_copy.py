@@ -7,9 +7,10 @@ accumulate (Megatron-Core's fp32 main params), the owner keeps a :class:`MainCop
 region in the params' dtype:
 
 * after its local step, before sending: ``main <- region`` (the exact values), ``wire <-
-  region`` (rounded), ``region <- wire`` (the owner holds what every rank receives); then it
-  records the version counter (``Tensor._version``) of every param whose memory lies in the
-  region;
+  region`` (rounded); once the transfer of ``wire`` started, ``region <- wire`` (the owner
+  holds what every rank receives; the pass overlaps the transfer, which reads only
+  ``wire``); then it records the version counter (``Tensor._version``) of every param whose
+  memory lies in the region;
 * before its next local step the inner optimizer steps ``main`` itself
   (:mod:`oss_plus.main_step`; :meth:`MainCopy.absorb` first takes any write since the sync,
   and the next send rounds ``main``, not the region), or, for a region it cannot step that

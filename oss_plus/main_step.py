@@ -11,6 +11,13 @@ every tensor points at its place in the bucket again, and the send rounds the ma
 into the wire copy and widens them into the region: two passes per step where the fp32
 wire makes none.
 
+Pointing is one ``.data`` assignment per stepped tensor each way: the assignment itself,
+not the loop around it, is the cost (measured on CPU, torch 2.13: 0.44 us per tensor for
+both, 0.45 us with C-speed ``map(setattr, ...)``). Inner-optimizer params kept on the main
+values for good would still need their ``.grad`` set at every step (``zero_grad()`` sets
+grads to None by default: 0.28 us per tensor measured) and their state re-keyed whenever
+the wire is switched, so this layout is kept.
+
 A region is stepped this way only when every stepped tensor overlapping it lies inside it
 (:func:`redirects`); otherwise (a view across regions) its exact values are put back into
 it as before (:meth:`oss_plus.main_copy.MainCopy.restore`).

@@ -314,7 +314,7 @@ class BucketSync:
         brought: Sequence[Bucket],
     ) -> None:
         work.wait()
-        if dtype is not None:  # widen every region but this rank's own (rounded at the send)
+        if dtype is not None:  # every region but this rank's own (widened at the launch)
             start, end = self.rank * g.region, (self.rank + 1) * g.region
             g.flat[:start].copy_(out[:start])
             g.flat[end:].copy_(out[end:])
