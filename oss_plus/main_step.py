@@ -33,7 +33,8 @@ from types import TracebackType
 
 import torch
 
-from oss_plus.main_copy import MainCopies, MainCopy, offset_in, overlaps
+from oss_plus.main_copies import MainCopies
+from oss_plus.main_copy import MainCopy, offset_in, overlaps
 
 __all__ = ["Plans", "Redirect", "redirects"]
 
@@ -81,7 +82,7 @@ class Plans:
         keys: set[int] | None,
         stepped: Callable[[], Sequence[torch.Tensor]] | None,
     ) -> Redirect:
-        """:meth:`oss_plus.main_copy.MainCopies.restore`; with ``stepped()`` (the tensors
+        """:meth:`oss_plus.main_copies.MainCopies.restore`; with ``stepped()`` (the tensors
         the inner optimizer steps) a region still compressed is not restored: the result
         points those in it at its main values (enter it around the local step)."""
         if not mains.held:
