@@ -322,9 +322,10 @@ class BucketSync:
         """
         if self.world_size == 1:
             return []
-        started = [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
-        self.mains.widen()  # this rank's regions, while the broadcasts run
-        return started
+        try:
+            return [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
+        finally:  # this rank's regions, while the broadcasts run (also if one raised)
+            self.mains.widen()
 
     def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None, code: int) -> Pending:
         flat = bucket.flat
