@@ -12,11 +12,11 @@ into the wire copy and widens them into the region: two passes per step where th
 wire makes none.
 
 Pointing is one ``.data`` assignment per stepped tensor each way: the assignment itself,
-not the loop around it, is the cost (measured on CPU, torch 2.13: 0.44 us per tensor for
-both, 0.45 us with C-speed ``map(setattr, ...)``). Inner-optimizer params kept on the main
-values for good would still need their ``.grad`` set at every step (``zero_grad()`` sets
-grads to None by default: 0.28 us per tensor measured) and their state re-keyed whenever
-the wire is switched, so this layout is kept.
+not the loop around it, is the cost (measured on CPU, torch 2.13, a loaded machine: 0.44-0.87
+us per tensor for both, 0.45 us with C-speed ``map(setattr, ...)``). Inner-optimizer params
+kept on the main values for good would still need their ``.grad`` set at every step
+(``zero_grad()`` sets grads to None by default: 0.28 us per tensor measured) and their
+state re-keyed whenever the wire is switched, so this layout is kept for now.
 
 A region is stepped this way only when every stepped tensor overlapping it lies inside it
 (:func:`redirects`); otherwise (a view across regions) its exact values are put back into
