@@ -7,9 +7,10 @@ accumulate (Megatron-Core's fp32 main params), the owner keeps a :class:`MainCop
 region in the params' dtype:
 
 * after its local step, before sending: ``main <- region`` (the exact values), ``wire <-
-  region`` (rounded), ``region <- wire`` (the owner holds what every rank receives); then it
-  records the version counter (``Tensor._version``) of every param whose memory lies in the
-  region;
+  region`` (rounded); once the transfer of ``wire`` started, ``region <- wire`` (the owner
+  holds what every rank receives; the pass overlaps the transfer, which reads only
+  ``wire``); then it records the version counter (``Tensor._version``) of every param whose
+  memory lies in the region;
 * before its next local step the inner optimizer steps ``main`` itself
   (:mod:`oss_plus.main_step`; :meth:`MainCopy.absorb` first takes any write since the sync,
   and the next send rounds ``main``, not the region), or, for a region it cannot step that
@@ -19,14 +20,15 @@ region in the params' dtype:
   write through the param), element by element where the region still holds the value the
   sync gave it: an element changed in between keeps its new value, and its main value
   follows it. Writes through ``p.data`` bypass the version counter: call
-  :meth:`MainCopies.written` after them (``docs/amp.md``).
+  :meth:`oss_plus.main_copies.MainCopies.written` after them (``docs/amp.md``).
 
 The exact values travel with the optimizer's state as the per-param entry :data:`MAIN_KEY`
-(:meth:`MainCopies.values` exports them, :meth:`MainCopies.load` takes them back on the
-new owner), so a checkpoint, a consolidated state dict and a repartition keep them. Values
-brought that way are restored where the param holds them rounded to a 16-bit wire (the
-values every replica held when they were saved), so the model may be loaded before or
-after the optimizer.
+(:meth:`oss_plus.main_copies.MainCopies.values` exports them,
+:meth:`~oss_plus.main_copies.MainCopies.load` takes them back on the new owner), so a
+checkpoint, a consolidated state dict and a repartition keep them. Values brought that way
+are restored where the param holds them rounded to a 16-bit wire (the values every replica
+held when they were saved), so the model may be loaded before or after the optimizer.
+The per-rank set of copies is :mod:`oss_plus.main_copies`.
 
 Nothing is kept for an uncompressed bucket: turning the wire off restores the exact values
 at the next step, which then sends them exactly to every rank, and the copies are dropped.
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAIN_KEY", "MainCopies", "MainCopy", "carry_main_values", "main_values"]
+__all__ = ["MAIN_KEY", "MainCopy", "carry_main_values", "main_values"]
 
 #: The per-param state entry holding a param's exact values (its main copy), shaped like the
 #: param (like its piece under the flat rule). Reserved: the inner optimizer never sees it.
@@ -122,10 +124,11 @@ class MainCopy:
 
     @torch.no_grad()
     def send(self, sent: torch.Tensor, slot: torch.Tensor | None = None) -> None:
-        """Keep the region's exact values, write them rounded into ``sent`` (the wire copy)
-        and round the region the same way; record the writers' versions. After a step of
-        the main copy itself (:meth:`absorb`) the main values are rounded (two passes
-        instead of three); the status ``slot`` (a view of the region) is taken first."""
+        """Keep the region's exact values and write them rounded into ``sent`` (the wire
+        copy); :meth:`widen` then rounds the region the same way. After a step of the main
+        copy itself (:meth:`absorb`) the main values are rounded (one pass; the status
+        ``slot``, a view of the region, is taken first); else the region is kept, then
+        rounded (two passes)."""
         self.sent = sent
         if self.mode is _Mode.STEPPED:
             at = None if slot is None else offset_in(slot, self.region)
@@ -135,9 +138,16 @@ class MainCopy:
         else:
             self.main.copy_(self.region)
             sent.copy_(self.region)
-        self.region.copy_(sent)
-        self._versions = list(map(_VERSION, self.writers))
         self.mode, self._compare = _Mode.SENT, False
+
+    @torch.no_grad()
+    def widen(self) -> None:
+        """After :meth:`send`: the region takes the values every rank receives (``sent``
+        widened; called once the transfer of ``sent`` started, so that the pass overlaps
+        it: the transfer only reads ``sent``); record the writers' versions."""
+        assert self.sent is not None
+        self.region.copy_(self.sent)
+        self._versions = list(map(_VERSION, self.writers))
 
     def written(self) -> None:
         """Something wrote into the region without moving a version counter (``p.data``):
@@ -202,133 +212,6 @@ class MainCopy:
                 self.main.copy_(exact)
             self.mode = _Mode.LOADED
         self.main[at : at + values.numel()].copy_(values.reshape(-1))
-
-
-class MainCopies:
-    """The main copies of the regions one rank sends (owned by
-    :class:`oss_plus.sync.BucketSync`; the copies live on their holders, a bucket or a
-    gather, so another sync over the same holders finds them).
-
-    Args:
-        regions: ``(holder, region)`` for every region this rank sends, ``holder.main``
-            being its :class:`MainCopy` or None.
-        params: every param of the layout (views of its buckets, or with storage of their
-            own for those that span buckets).
-        pieces: ``(param, view)`` for every piece of a param that spans buckets.
-    """
-
-    def __init__(
-        self,
-        regions: Sequence[tuple[Any, torch.Tensor]],
-        params: Sequence[torch.Tensor],
-        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    ) -> None:
-        self.regions = list(regions)
-        self._params = list(params)
-        self._pieces = list(pieces)
-        #: by ``id``: the holders with a main copy
-        self.held = {id(h): h for h, _ in self.regions if h.main is not None}
-
-    @classmethod
-    def of(
-        cls, broadcast: Sequence[Any], gathers: Sequence[Any], rank: int, params: Sequence[Any]
-    ) -> MainCopies:
-        """The main copies of a layout: the regions ``rank`` sends are its ``broadcast``
-        buckets and its range of every gather; ``params`` are the layout's params."""
-        regions = [(b, b.flat) for b in broadcast if b.owner == rank and b.flat is not None]
-        regions += [(g, g.flat[rank * g.region : (rank + 1) * g.region]) for g in gathers]
-        pieces = [(p, view) for b in broadcast for p, _, view in b.pieces]  # slotted: broadcast
-        return cls(regions, params, pieces)
-
-    def _writers(self, region: torch.Tensor) -> list[torch.Tensor]:
-        found = {id(p): p for p in self._params if overlaps(p, region)}
-        found.update((id(p), p) for p, view in self._pieces if overlaps(view, region))
-        return list(found.values())
-
-    def _copy_of(self, holder: Any, region: torch.Tensor) -> MainCopy:
-        main = holder.main
-        if main is None or main.region.data_ptr() != region.data_ptr():
-            main = holder.main = MainCopy(region, self._writers(region))
-            self.held[id(holder)] = holder
-        return main
-
-    def send(self, holder: Any, region: torch.Tensor, sent: torch.Tensor, slot: Any = None) -> None:
-        """Round ``region`` (``holder``'s, ``slot`` its status slot or None) into ``sent``
-        and itself, keeping its exact values."""
-        self._copy_of(holder, region).send(sent, slot)
-
-    def restore(self, compressed: Any, keys: set[int] | None = None, plan: Any = None) -> list[Any]:
-        """Put the exact values back (of the holders of ``keys`` only, when given); drop the
-        copies of regions that ``compressed(dtype)`` says no longer travel compressed.
-
-        With ``plan`` (``plan(main)``: :func:`oss_plus.main_step.redirects` or None), a
-        region that still travels compressed and has a plan is not restored: its main copy
-        takes the writes since the sync (:meth:`MainCopy.absorb`) and the plan's pairs are
-        returned, for the inner optimizer to step the main values themselves."""
-        pairs: list[Any] = []
-        for key, holder in list(self.held.items()):
-            main = holder.main
-            if main is None or (keys is not None and key not in keys):
-                continue
-            keep = compressed(main.region.dtype)
-            found = plan(main) if keep and plan is not None else None
-            if found is not None:
-                main.absorb()
-                pairs += found
-                continue
-            main.restore()
-            if not keep:
-                holder.main = None
-                del self.held[key]
-        return pairs
-
-    def written(self) -> None:
-        """Compare every element at the next restore (see :meth:`MainCopy.written`)."""
-        for holder in self.held.values():
-            holder.main.written()
-
-    def nbytes(self) -> int:
-        """Bytes the main copies hold."""
-        return sum(h.main.nbytes for h in self.held.values() if h.main is not None)
-
-    def drop(self) -> None:
-        """Forget every main copy."""
-        for holder in self.held.values():
-            holder.main = None
-        self.held = {}
-
-    def values(self, targets: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The exact values of the ``targets`` (by flat index: the tensors this rank's inner
-        optimizer steps) that lie in a region with a main copy, shaped like each target.
-        Views, not copies, while nothing wrote into the region: read them before the next
-        step."""
-        out: dict[int, torch.Tensor] = {}
-        for holder in list(self.held.values()):
-            main = holder.main
-            exact = main.exact()
-            for i, t in targets.items():
-                at = offset_in(t, main.region)
-                if at is not None:
-                    out[i] = exact[at : at + t.numel()].view(t.shape)
-        return out
-
-    def load(
-        self, targets: Sequence[torch.Tensor], values: Mapping[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """Give the regions holding ``targets`` the exact ``values`` (by flat index; each of
-        its target's number of elements). Returns the values of targets no region holds
-        (not laid out: world size 1, a frozen param)."""
-        left: dict[int, torch.Tensor] = {}
-        for i, values_i in values.items():
-            target = targets[i]
-            for holder, region in self.regions:
-                at = offset_in(target, region)
-                if at is not None:
-                    self._copy_of(holder, region).load(at, values_i.to(region.device))
-                    break
-            else:
-                left[i] = values_i
-        return left
 
 
 @torch.no_grad()

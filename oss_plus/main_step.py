@@ -11,6 +11,13 @@ every tensor points at its place in the bucket again, and the send rounds the ma
 into the wire copy and widens them into the region: two passes per step where the fp32
 wire makes none.
 
+Pointing is one ``.data`` assignment per stepped tensor each way: the assignment itself,
+not the loop around it, is the cost (measured on CPU, torch 2.13, a loaded machine: 0.44-0.87
+us per tensor for both, 0.45 us with C-speed ``map(setattr, ...)``). Inner-optimizer params
+kept on the main values for good would still need their ``.grad`` set at every step
+(``zero_grad()`` sets grads to None by default: 0.28 us per tensor measured) and their
+state re-keyed whenever the wire is switched, so this layout is kept for now.
+
 A region is stepped this way only when every stepped tensor overlapping it lies inside it
 (:func:`redirects`); otherwise (a view across regions) its exact values are put back into
 it as before (:meth:`oss_plus.main_copy.MainCopy.restore`).
@@ -26,7 +33,8 @@ from types import TracebackType
 
 import torch
 
-from oss_plus.main_copy import MainCopies, MainCopy, offset_in, overlaps
+from oss_plus.main_copies import MainCopies
+from oss_plus.main_copy import MainCopy, offset_in, overlaps
 
 __all__ = ["Plans", "Redirect", "redirects"]
 
@@ -74,7 +82,7 @@ class Plans:
         keys: set[int] | None,
         stepped: Callable[[], Sequence[torch.Tensor]] | None,
     ) -> Redirect:
-        """:meth:`oss_plus.main_copy.MainCopies.restore`; with ``stepped()`` (the tensors
+        """:meth:`oss_plus.main_copies.MainCopies.restore`; with ``stepped()`` (the tensors
         the inner optimizer steps) a region still compressed is not restored: the result
         points those in it at its main values (enter it around the local step)."""
         if not mains.held:

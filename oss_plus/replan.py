@@ -4,9 +4,9 @@ It holds what the layout was built for and keeps the plan and the parameter sync
 with the params: plan again by the policy (a plan pinned by :meth:`oss_plus.OSS.repartition`
 keeps its owners while the groups do not change), adopt a plan agreed by every rank (the
 state moves in :meth:`oss_plus.shard.LocalShard.adopt`), install a sync laid out for it
-(:func:`oss_plus.sync.build_sync`, or the one a collaborator gives), and, before every step,
-read what changed since (:class:`oss_plus.changes.ChangeDetector`: ``requires_grad``; the
-sync's ``is_intact()``: re-allocated params).
+(:func:`oss_plus.layout_choice.build_sync`, or the one a collaborator gives), and, before
+every step, read what changed since (:class:`oss_plus.changes.ChangeDetector`:
+``requires_grad``; the sync's ``is_intact()``: re-allocated params).
 
 A rank whose plan changed at a step does not repartition alone: it runs the sync unstepped
 with :data:`~oss_plus.status.REPLAN` (:meth:`oss_plus.stepping.StepDriver.replan`) and the
@@ -25,13 +25,14 @@ import torch
 
 from oss_plus import _params
 from oss_plus.changes import ChangeDetector
+from oss_plus.layout_choice import build_sync
 from oss_plus.main_copy import MAIN_KEY, apply_exact
 from oss_plus.partition import Rule
 from oss_plus.plan import ShardPlan
 from oss_plus.policy import ShardPolicy
 from oss_plus.shard import LocalShard
 from oss_plus.stepping import StepDriver
-from oss_plus.sync import BucketSync, build_sync
+from oss_plus.sync import BucketSync
 
 __all__ = ["Replanner"]
 
@@ -139,7 +140,7 @@ class Replanner:
 
     def main_values(self) -> dict[int, torch.Tensor]:
         """The exact values of what this rank sent compressed, by flat index, shaped like the
-        tensors its inner optimizer steps (:meth:`oss_plus.main_copy.MainCopies.values`)."""
+        tensors its inner optimizer steps (:meth:`oss_plus.main_copies.MainCopies.values`)."""
         sync = self.sync
         if not isinstance(sync, BucketSync) or not sync.mains.held:
             return {}

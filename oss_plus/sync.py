@@ -2,7 +2,8 @@
 (:mod:`oss_plus._layout`) from their owners, with wire compression and the step status.
 
 :class:`BucketSync` receives the buckets of a layout and only moves their bytes; which
-layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by :func:`build_sync`, and
+layout a :class:`~oss_plus.plan.ShardPolicy` asks for is decided by
+:func:`oss_plus.layout_choice.build_sync`, and
 which transport each bucket uses by :mod:`oss_plus.transport` (``broadcast`` from the owner,
 or one ``all_gather`` per (device, dtype)). The status each owner sends in its buckets is
 :mod:`oss_plus.status`.
@@ -16,10 +17,10 @@ sent instead, and rounds its own region the same way (receivers widen): every re
 the same values. Its exact values stay in a main copy (:mod:`oss_plus.main_copy`) that its
 inner optimizer steps (:meth:`BucketSync.restore`, :mod:`oss_plus.main_step`).
 
-World size 1: nothing travels, so :func:`build_sync` lays nothing out (params keep their own
-storage; the adapters' policies keep their anchors' layout, ``single_rank_layout``) and a
-sync sends nothing, allocates no wire buffer and reads nothing on the host: it only
-re-raises the local step's error.
+World size 1: nothing travels, so :func:`~oss_plus.layout_choice.build_sync` lays nothing
+out (params keep their own storage; the adapters' policies keep their anchors' layout,
+``single_rank_layout``) and a sync sends nothing, allocates no wire buffer and reads nothing
+on the host: it only re-raises the local step's error.
 
 Buffers are allocated when the layout is built (construction, ``add_param_group``,
 ``refresh_trainable``) or, for the wire copies, on the first sync with a new wire dtype, and
@@ -38,31 +39,18 @@ import torch
 import torch.distributed as dist
 
 from oss_plus import _dist
-from oss_plus._layout import (
-    Bucket,
-    Gather,
-    Transport,
-    alignment,
-    bucket_numel,
-    flat_buckets,
-    ordered_buckets,
-    owner_buckets,
-    per_param,
-)
+from oss_plus._layout import Bucket, Gather, Transport, alignment, bucket_numel
 from oss_plus._trace import label
 from oss_plus.changes import Addresses
 from oss_plus.inflight import InFlight, Pending
-from oss_plus.main_copy import MainCopies
+from oss_plus.main_copies import MainCopies
 from oss_plus.main_step import Plans, Redirect
-from oss_plus.partition import Rule
-from oss_plus.plan import Layout, ShardPlan, ShardPolicy
 from oss_plus.split_params import SplitParams
 from oss_plus.status import FAILED, OK, PeerSlots, any_set
 from oss_plus.transport import (
     BAD_TRANSPORT,
     TRANSPORT_ENV,
     gathered_keys,
-    requested,
     transport_override,
     wire_dtype_for,
 )
@@ -76,7 +64,6 @@ __all__ = [
     "TRANSPORT_ENV",
     "any_set",
     "bucket_numel",
-    "build_sync",
     "gathered_keys",
     "transport_override",
     "wire_dtype_for",
@@ -302,6 +289,7 @@ class BucketSync:
             transfer = Pending(finish, held)
             pending.append(transfer)
             covers.update((id(b), transfer) for b in brought)
+        self.mains.widen()  # this rank's regions, while the gathers run
         return pending, covers
 
     def _finish_gather(
@@ -313,7 +301,7 @@ class BucketSync:
         brought: Sequence[Bucket],
     ) -> None:
         work.wait()
-        if dtype is not None:  # widen every region but this rank's own (rounded at the send)
+        if dtype is not None:  # every region but this rank's own (widened at the launch)
             start, end = self.rank * g.region, (self.rank + 1) * g.region
             g.flat[:start].copy_(out[:start])
             g.flat[end:].copy_(out[end:])
@@ -334,7 +322,10 @@ class BucketSync:
         """
         if self.world_size == 1:
             return []
-        return [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
+        try:
+            return [self._broadcast_bucket(b, wire, int(failed)) for b in buckets]
+        finally:  # this rank's regions, while the broadcasts run (also if one raised)
+            self.mains.widen()
 
     def _broadcast_bucket(self, bucket: Bucket, wire: torch.dtype | None, code: int) -> Pending:
         flat = bucket.flat
@@ -374,37 +365,3 @@ def _finish_broadcast(
         flat.copy_(tensor)
     if fill is not None:
         fill()  # the pieces it holds of params that span buckets
-
-
-def build_sync(
-    params: Sequence[torch.Tensor], plan: ShardPlan, policy: ShardPolicy, group: Any
-) -> BucketSync:
-    """Lay out ``params`` (flat order) owned as in ``plan`` by ``policy.layout``; return the
-    transport over that layout.
-
-    At world size 1 nothing travels: no layout (params keep their own storage) unless
-    ``policy.single_rank_layout``.
-
-    Raises:
-        ValueError: unknown ``policy.transport`` (or value of :data:`TRANSPORT_ENV`).
-    """
-    if plan.world_size == 1 and not policy.single_rank_layout:
-        requested(policy.transport)
-        return BucketSync([], group)
-    if plan.rule is Rule.FLAT:
-        keys = gathered_keys([params], policy.transport, group, equal_regions=True)
-        buckets, gathers = flat_buckets(params, plan.world_size, policy.aligned, keys)
-        return BucketSync(buckets, group, gathers)
-    if policy.layout is Layout.OWNER_BUCKETS:
-        by_owner = [[params[i] for i in plan.owned(r)] for r in range(plan.world_size)]
-        keys = gathered_keys(by_owner, policy.transport, group, policy.aligned)
-        buckets, gathers = owner_buckets(by_owner, policy.aligned, keys)
-        return BucketSync(buckets, group, gathers)
-    requested(policy.transport)
-    by_local = [
-        [params[i] for indices in plan.local_indices(r) for i in indices]
-        for r in range(plan.world_size)
-    ]
-    if policy.layout is Layout.ORDERED_BUCKETS:
-        return BucketSync(ordered_buckets(by_local), group)
-    return BucketSync(per_param(by_local), group)

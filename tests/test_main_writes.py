@@ -7,11 +7,14 @@ in every element it changed (the uncompressed optimizer would step the written v
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from helpers import backward, clone_model, make_model
 
 from oss_plus import OSS
+from oss_plus.main_copies import MainCopies
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LR = 1e-3
@@ -179,3 +182,34 @@ def test_the_inner_optimizer_steps_the_main_copies_themselves(pool, rule):
         assert intact
         assert seen[0] and not any(seen[0])  # the first step: no main copy yet
         assert all(seen[1]) and all(seen[2]), seen
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_the_region_is_rounded_after_its_wire_copy_went_out_and_keeps_writes(wire):
+    """The owner's send (pure, no process): ``send`` rounds the exact values into the wire
+    copy and leaves the region alone (its transfer reads only the wire copy); ``widen``
+    then rounds the region exactly as every receiver does, the main copy keeping the
+    residue below the wire's resolution; the versions recorded there make a later write
+    into the param the one thing taken from the region. Reference: torch's own casts."""
+    exact = torch.tensor([1.0 + 2**-12, -3.0 - 2**-11, 0.1, 7.0, 0.0])  # 4 values + a slot
+    region = exact.clone()
+    param = torch.nn.Parameter(torch.empty(2))
+    param.data = region[:2]  # as the layout makes its params (a counter of its own)
+    holder = types.SimpleNamespace(main=None)
+    mains = MainCopies([(holder, region)], [param])
+    sent = torch.empty(5, dtype=wire)
+    mains.send(holder, region, sent)
+    assert torch.equal(sent, exact.to(wire))
+    assert torch.equal(region, exact)  # untouched while the transfer runs
+    mains.widen()
+    rounded = exact.to(wire).to(torch.float32)
+    assert torch.equal(region, rounded)
+    assert not torch.equal(rounded, exact)  # the wire did round: the test can fail
+    assert torch.equal(holder.main.exact(), exact)  # nothing written: the exact values
+    mains.widen()  # nothing left to widen
+    assert torch.equal(region, rounded)
+    with torch.no_grad():
+        param[1:].fill_(5.0)  # a write between steps
+    expected = exact.clone()
+    expected[1] = 5.0
+    assert torch.equal(holder.main.exact(), expected)
