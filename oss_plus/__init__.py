@@ -21,4 +21,4 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

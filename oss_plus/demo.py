@@ -63,52 +63,63 @@ def _ddp(module: torch.nn.Module, device: torch.device, group: Any | None = None
     return DDP(module.to(device), process_group=group, device_ids=ids)
 
 
-def _train(
-    model: DDP, opt: Any, steps: int, width: int, rank: int, device: torch.device
-) -> tuple[list[float], list[float]]:
-    losses, times = [], []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(32, width, generator=gen).to(device)
-        y = x[:, :1].sin()
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return losses, times
+def _batch(step: int, rank: int, width: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(32, width, generator=gen).to(device)
 
 
-def _rank_main(
-    rank: int, world: int, steps: int, width: int, depth: int, device_type: str = "cpu"
+def _iteration(model: DDP, opt: Any, x: torch.Tensor) -> tuple[float, float]:
+    """One whole training iteration: forward, backward (DDP's gradient all-reduce) and step
+    (for OSS: the local shard's step and the parameter sync). Returns (loss, seconds)."""
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(x.device)
+    start = time.perf_counter()
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), x[:, :1].sin())
+    loss.backward()
+    opt.step()
+    if cuda:
+        torch.cuda.synchronize(x.device)
+    seconds = time.perf_counter() - start
+    return loss.item(), seconds
+
+
+def rank_main(
+    rank: int,
+    world: int,
+    steps: int,
+    width: int,
+    depth: int,
+    group: Any | None = None,
+    device_type: str = "cpu",
 ) -> dict[str, Any]:
+    """Train DDP + OSS(Adam) and DDP + Adam side by side on one rank; return what it measured:
+    losses, whole-iteration times, the bytes of optimizer state this rank holds, and whether
+    the parameters ended bit-identical."""
     device = _rank_device(rank, device_type)
-    sharded = _ddp(_model(width, depth), device)
-    plain = _ddp(_model(width, depth), device)
-    opt = OSS(sharded.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    sharded = _ddp(_model(width, depth), device, group)
+    plain = _ddp(_model(width, depth), device, group)
+    opt = OSS(sharded.parameters(), optim=torch.optim.Adam, group=group, lr=1e-3)
     ref = torch.optim.Adam(plain.parameters(), lr=1e-3)
-    # the reference first: a rank's last collective is then OSS.step's sync, which returns only
-    # after gloo let go of its tensors; DDP's own allreduce does not wait for that, and a
-    # process exiting right after it can abort (docs/reliability.md, "Process exit")
-    ref_losses, ref_times = _train(plain, ref, steps, width, rank, device)
-    losses, times = _train(sharded, opt, steps, width, rank, device)
+    log: dict[str, Any] = {"losses": [], "ref_losses": [], "times": [], "ref_times": []}
+    for step in range(steps):
+        x = _batch(step, rank, width, device)
+        # alternating, so that both sides see the same machine load; the reference first: a
+        # rank's last collective is then OSS.step's sync, which returns only after gloo let go
+        # of its tensors; DDP's own allreduce does not wait for that, and a process exiting
+        # right after it can abort (docs/reliability.md, "Process exit")
+        for side, model, optimizer in (("ref_", plain, ref), ("", sharded, opt)):
+            loss, seconds = _iteration(model, optimizer, x)
+            log[f"{side}losses"].append(loss)
+            log[f"{side}times"].append(seconds)
     identical = all(torch.equal(a, b) for a, b in zip(sharded.parameters(), plain.parameters()))
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
+    return log | {
         "identical": identical,
         "state": state_bytes(opt.optim),
         "ref_state": state_bytes(ref),
-        "step": statistics.median(times[1:]),
-        "ref_step": statistics.median(ref_times[1:]),
         "params": sum(p.numel() for p in sharded.parameters()),
-        "ranks": _describe(device),
+        "ranks": _describe(device, group),
     }
 
 
@@ -128,27 +139,54 @@ def run_demo(
     world_size: int = 2, steps: int = 20, width: int = 256, depth: int = 4, device: str = "auto"
 ) -> str:
     """Train on ``world_size`` local ranks (``device``: see :func:`_on_ranks`); return the
-    report as text."""
-    results, notes = _on_ranks(_rank_main, device, world_size, steps, width, depth)
-    r0 = results[0]
+    report of :func:`format_report`."""
+    results, notes = _on_ranks(rank_main, device, world_size, steps, width, depth, None)
+    return "\n".join([*notes, format_report(results, steps)])
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps a leading digit, e.g. ``"1.01 MiB"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def iteration_seconds(results: list[dict[str, Any]], key: str = "times") -> float:
+    """The median over the steps after the first (the warm-up) of the slowest rank's time."""
+    per_step = [max(times) for times in zip(*(r[key] for r in results))]
+    return statistics.median(per_step[1:] or per_step)
+
+
+def format_report(results: list[dict[str, Any]], steps: int) -> str:
+    """Turn the per-rank logs of :func:`rank_main` into the demo's text report."""
+    r0, world = results[0], len(results)
+    ours, theirs = iteration_seconds(results), iteration_seconds(results, "ref_times")
     lines = [
-        *notes,
-        f"oss_plus demo: DDP + OSS(Adam) on {world_size} {r0['ranks']}, "
+        f"oss_plus demo: DDP + OSS(Adam) against DDP + Adam on {world} {r0['ranks']}, "
         f"{r0['params']:,} params, {steps} steps",
+        "",
+        f"{'':<28}{'DDP + OSS(Adam)':>16}{'DDP + Adam':>14}{'ratio':>8}",
+        f"{'training iteration':<28}{ours * 1e3:>13.2f} ms{theirs * 1e3:>11.2f} ms"
+        f"{ours / theirs:>7.2f}x",
+    ]
+    for rank, r in enumerate(results):
+        share = r["state"] / max(r["ref_state"], 1)
+        lines.append(
+            f"{f'optimizer state, rank {rank}':<28}{format_bytes(r['state']):>16}"
+            f"{format_bytes(r['ref_state']):>14}{share:>7.2f}x"
+        )
+    lines += [
+        "",
+        "training iteration: forward, backward (DDP's gradient all-reduce) and step (OSS: the",
+        "  shard's step and the parameter sync), median of the slowest rank after the first step",
+        "optimizer state: bytes of the state tensors this rank's optimizer holds",
         "",
         f"{'step':>4}  {'loss (OSS)':>12}  {'loss (Adam)':>12}  same",
     ]
     for i in range(0, steps, max(1, steps // 10)):
         a, b = r0["losses"][i], r0["ref_losses"][i]
         lines.append(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {'yes' if a == b else 'NO'}")
-    lines.append("")
-    for rank, r in enumerate(results):
-        mib, ref_mib = r["state"] / 2**20, r["ref_state"] / 2**20
-        share = r["state"] / max(r["ref_state"], 1)
-        lines.append(
-            f"rank {rank}: optimizer state {mib:.2f} MiB vs {ref_mib:.2f} MiB unsharded "
-            f"({share:.0%}); step {r['step'] * 1e3:.2f} ms vs {r['ref_step'] * 1e3:.2f} ms"
-        )
     same = all(r["identical"] for r in results) and all(
         r["losses"] == r["ref_losses"] for r in results
     )
@@ -206,8 +244,7 @@ def amp_rank_main(
     )
     log: dict[str, Any] = {"rows": [], "ref_rows": [], "ranks": _describe(device, group)}
     for step in range(steps):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(32, width, generator=gen).to(device)
+        x = _batch(step, rank, width, device)
         log["rows"].append(_amp_step(sharded, opt, scaler, x))
         log["ref_rows"].append(_amp_step(plain, ref, ref_scaler, x))
     diffs = [(a - b).abs().max().item() for a, b in zip(sharded.parameters(), plain.parameters())]
@@ -280,7 +317,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train a small model with DDP + OSS on local ranks and print a report",
         description="Spawn local ranks (one GPU each under NCCL, else gloo on the CPU), train "
         "a small MLP with DDP + oss_plus.OSS(Adam) and "
-        "with DDP + plain Adam, and compare losses, state size and step time.",
+        "with DDP + plain Adam, and compare the training iteration's time, the optimizer state "
+        "each rank holds, and the losses and parameters (bit-identical).",
     )
     demo.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
     demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")

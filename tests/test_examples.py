@@ -9,6 +9,7 @@ the device count in use; the choice itself is tested below with simulated device
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,7 +152,16 @@ def test_fairscale_port_example():
 def test_demo_cli_reports_identical_losses():
     out = run(["-m", "oss_plus", "demo", "--steps", "4", "--width", "32", "--depth", "2"])
     assert "bit-identical to unsharded Adam on every rank: yes" in out
-    assert "rank 1: optimizer state" in out
+    # the iteration and the state side by side (their values: tests/test_demo.py)
+    (ours, theirs, ratio) = re.findall(
+        r"^training iteration +([\d.]+) ms +([\d.]+) ms +([\d.]+)x$", out, re.M
+    )[0]
+    assert abs(float(ours) / float(theirs) - float(ratio)) < 0.01 + 0.01 * float(ratio)
+    states = re.findall(r"^optimizer state, rank (\d) +([\d.]+) KiB +([\d.]+) KiB +([\d.]+)x$",
+                        out, re.M)  # fmt: skip
+    assert [rank for rank, *_ in states] == ["0", "1"]
+    assert abs(sum(float(s[1]) for s in states) - float(states[0][2])) <= 0.02
+    assert " ms vs " not in out  # the step alone against Adam's step is no longer printed
     on_gpus = visible_gpus() >= 2
     assert ("on 2 nccl ranks (cuda)" if on_gpus else "on 2 gloo ranks (cpu)") in out
     assert out.startswith(f"{visible_gpus()} {FALLBACK}") == falls_back()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,13 +88,18 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_installed_package_is_the_wheel_not_the_checkout(venv: Path) -> None:
     code = (
-        "import importlib.util, oss_plus.bench; print(oss_plus.__file__); "
-        "print(importlib.util.find_spec('fairscale'))"
+        "import importlib.metadata, importlib.util, oss_plus.bench; print(oss_plus.__file__); "
+        "print(importlib.util.find_spec('fairscale')); print(oss_plus.__version__); "
+        "print(importlib.metadata.version('oss_plus'))"
     )
     out = _run(venv / "bin" / "python", "-c", code, cwd=venv.parent).stdout.split()
     assert Path(out[0]).resolve().is_relative_to(venv.resolve()), out[0]
     assert not Path(out[0]).resolve().is_relative_to(ROOT), out[0]
     assert out[1] == "None"  # fairscale is hidden: the bench must skip its row
+    # the wheel's metadata carries the package's version (setup.cfg: attr:), this checkout's
+    (checkout,) = re.findall(r'^__version__ = "(.+)"$', (ROOT / "oss_plus" / "__init__.py")
+                             .read_text(), re.M)  # fmt: skip
+    assert out[2] == out[3] == checkout
 
 
 def test_bench_runs_from_the_wheel(venv: Path) -> None:
