@@ -12,21 +12,22 @@ than one C call per param and step:
   sent by nobody: every frozen param is read at every step;
 * a param re-allocated (``.data`` replaced, ``module.to()``) would no longer be updated by the
   sync: every bucketed param's address is read at every step
-  (``list(map(Tensor.const_data_ptr))`` against the cached list, in the order of the params'
-  objects in memory; torch's C loop ``torch._C._tensors_data_ptrs_at_indices_equal``
-  where the build has it, CUDA builds, over lists built once per layout: copying them per
-  check cost more than the loop saves. Measured at 2000 params: 66 ns per param for the
-  ``map`` on torch 2.14.1, 70 ns for the C loop (89 ns with the copies); 69 and 37 ns on 2.6;
-  all with the params in cache: right after a backward, 300-450 ns per param on the CPU
-  proxy of ``docs/zero2.md``, the param objects' cache misses);
+  (``list(map(Tensor.const_data_ptr))`` against the cached list; torch's C loop
+  ``torch._C._tensors_data_ptrs_at_indices_equal`` where the build has it, CUDA builds,
+  over lists built once per layout: copying them per check cost more than the loop saves.
+  Measured at 2000 params: 66 ns per param for the ``map`` on torch 2.14.1, 70 ns for
+  the C loop (89 ns with the copies); 69 and 37 ns on 2.6; all with the params in cache:
+  right after a backward, 300-450 ns per param on the CPU proxy of ``docs/zero2.md``, the
+  param objects' cache misses);
 * a param trainable in the plan that was frozen is still sent by its owner and, without a
   gradient, not stepped (what the plain optimizer does): it only makes the plan uneven. So
   those are read :data:`WINDOWS` times more slowly, a slice of them per check, in the same
   order on every rank: a freeze is repartitioned within ``WINDOWS`` steps, an unfreeze and a
   re-allocation at the next step. A slice is a contiguous run of them in flat order
-  (neighbours in memory): every ``WINDOWS``-th param, as before, cost 50-56 us per check
+  (neighbours in memory): every ``WINDOWS``-th param, as before, cost 49-60 us per check
   for 2000 params right after a 2-rank step against 33-45 us for a run (thread CPU time,
-  median of 200).
+  median of 200, three and four runs). For at most ``WINDOWS`` trainable params both are
+  one param per check, in the same order.
 
 At world size 1 nothing is checked (the plan of one rank does not depend on trainability,
 and nothing is laid out).
@@ -48,8 +49,10 @@ WINDOWS = 16
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 #: Reads a tensor's address at C speed when mapped over the params. ``const_data_ptr``
 #: (torch >= 2.1) gives the same address as ``data_ptr`` with fewer checks and never
-#: materializes a copy-on-write storage: 13% less per param here (501 against 577 us for
-#: 2000 params right after a 2-rank step, thread CPU time, median of 200).
+#: materializes a copy-on-write storage: 4-13% less (2000 params right after a 2-rank step,
+#: thread CPU time, median of 200, eight runs: 220-512 against 238-579 us). Reading the
+#: params sorted by object address instead of in bucket order changed nothing reliably
+#: (-9% to +8% over the same runs).
 _DATA_PTR = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
 
 
@@ -76,21 +79,15 @@ class Addresses:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
-        # read in the order of the tensors' Python objects in memory (their TensorImpls were
-        # mostly allocated alongside): a layout by owner takes every N-th param, and reading
-        # them in that order cost 8% more right after a step (250 against 270-283 us for
-        # 2000 params, thread CPU time, median of 200); the check is all-or-nothing, so the
-        # order changes no result
-        self._read = sorted(self.tensors, key=id)
-        self.expected = list(map(_DATA_PTR, self._read))
-        self._at = list(range(len(self._read)))  # the C loop's indices, built once
+        self.expected = list(map(_DATA_PTR, self.tensors))
+        self._at = list(range(len(self.tensors)))  # the C loop's indices, built once
 
     def intact(self) -> bool:
         """Whether every tensor still starts at the address it had (one C call, or one
         ``map`` at C speed; no Python frame per tensor)."""
         if _ptrs_equal is not None:
-            return bool(_ptrs_equal(self._read, self.expected, self._at))
-        return list(map(_DATA_PTR, self._read)) == self.expected
+            return bool(_ptrs_equal(self.tensors, self.expected, self._at))
+        return list(map(_DATA_PTR, self.tensors)) == self.expected
 
 
 class ChangeDetector:
