@@ -85,8 +85,20 @@ def await_release(tensors: Sequence[torch.Tensor], counts: Sequence[int], group:
         counts: their :func:`use_counts` from before the collective(s).
         group: the group the collectives ran on.
     """
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        return
+    if releases_late(group):
+        await_counts(tensors, counts)
+
+
+def releases_late(group: Any) -> bool:
+    """Whether ``group``'s collectives may drop their tensors after ``wait()`` returned (gloo:
+    :func:`await_release` waits for them; NCCL: not waited for). Look it up once per layout:
+    ``dist.get_backend`` costs a few microseconds of Python per call."""
+    return dist.get_backend(group) != dist.Backend.NCCL
+
+
+def await_counts(tensors: Sequence[torch.Tensor], counts: Sequence[int]) -> None:
+    """:func:`await_release` on a group :func:`releases_late` is true of (checked by the
+    caller)."""
     deadline = None
     for tensor, count in zip(tensors, counts):
         while tensor._use_count() > count:  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ tensors it was given (:func:`oss_plus._dist.await_release`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -23,7 +24,7 @@ from oss_plus import _dist
 from oss_plus._trace import label
 from oss_plus.status import PeerSlots
 
-__all__ = ["ForwardWaits", "InFlight", "Pending"]
+__all__ = ["ForwardWaits", "InFlight", "Pending", "holding_buckets"]
 
 
 class Pending:
@@ -58,6 +59,9 @@ class InFlight:
         status: where the peers' codes arrive (staged after the last wait), or None.
         group: the group of the collectives.
         holding: for ``id(param)``, the buckets holding its memory.
+        release: whether to wait for the worker to let go of the tensors (default:
+            :func:`oss_plus._dist.releases_late` of ``group``; a sync passes what it looked
+            up once per layout).
     """
 
     def __init__(
@@ -67,8 +71,10 @@ class InFlight:
         status: PeerSlots | None,
         group: Any,
         holding: dict[int, list[Any]] | None = None,
+        release: bool | None = None,
     ) -> None:
         self.pending = pending
+        self.release = _dist.releases_late(group) if release is None else release
         self.covers = covers
         self.status = status
         self.group = group
@@ -98,9 +104,34 @@ class InFlight:
                 transfer.wait()
         held = [h for p in self.pending for h in p.held]
         self.pending, self.covers, self.done = [], {}, True
-        _dist.await_release([t for t, _ in held], [c for _, c in held], self.group)
+        if self.release:
+            _dist.await_counts([t for t, _ in held], [c for _, c in held])
         if self.status is not None:
             self.status.stage()
+
+
+def holding_buckets(
+    buckets: Sequence[Any], pieces: dict[int, list[Any]], params: Iterable[torch.Tensor]
+) -> dict[int, list[Any]]:
+    """For ``id(param)`` of every param, the buckets holding its memory: those it is a view
+    of (several for a view across flat ranges), and those of ``pieces`` (``id(param)`` ->
+    the buckets holding its pieces, a param with storage of its own,
+    :mod:`oss_plus.split_params`): what :meth:`InFlight.wait_for_params` waits for."""
+    spans = sorted(
+        (b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.nbytes, i)
+        for i, b in enumerate(buckets)
+    )
+    starts = [start for start, _, _ in spans]
+    holding = {k: list(v) for k, v in pieces.items()}
+    for p in params:
+        low, high = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
+        at = max(0, bisect.bisect_right(starts, low) - 1)
+        found = holding.setdefault(id(p), [])
+        while at < len(spans) and spans[at][0] < high:  # a view across ranges too
+            if spans[at][1] > low:
+                found.append(buckets[spans[at][2]])
+            at += 1
+    return holding
 
 
 def _pre_hook(

@@ -61,6 +61,12 @@ class SplitParams:
                     self._mine[0].append(part)
                     self._mine[1].append(view)
 
+    @property
+    def stepping(self) -> bool:
+        """Whether this rank steps pieces of params that span buckets (:meth:`refresh` has
+        work to do)."""
+        return bool(self._mine[0])
+
     def view(self, param: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
         """This rank's piece ``[start, end)`` of ``param`` in its bucket, or None when
         ``param`` does not span buckets there (its piece is then a view of the param)."""

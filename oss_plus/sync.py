@@ -29,7 +29,6 @@ only for buckets that travel; later steps allocate nothing but the status read's
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from oss_plus import _dist
 from oss_plus._layout import Bucket, Gather, Transport, alignment, bucket_numel
 from oss_plus._trace import label
 from oss_plus.changes import Addresses
-from oss_plus.inflight import InFlight, Pending
+from oss_plus.inflight import InFlight, Pending, holding_buckets
 from oss_plus.main_copies import MainCopies
 from oss_plus.main_step import Plans, Redirect
 from oss_plus.split_params import SplitParams
@@ -98,6 +97,9 @@ class BucketSync:
         self.buckets = list(buckets)
         self.gathers = list(gathers)
         self._broadcast = [b for b in self.buckets if b.via is Transport.BROADCAST]
+        # looked up once: both cost microseconds of Python per call, at every step
+        self._releases_late = _dist.releases_late(group)
+        self._sources = [_dist.global_rank(group, r) for r in range(self.world_size)]
         #: where this rank finds its peers' status codes after a sync
         self.status = PeerSlots(self.buckets, self.gathers, group)
         self._addresses = Addresses([p for b in self.buckets for p in b.params])
@@ -138,24 +140,11 @@ class BucketSync:
         )
 
     def holding(self) -> dict[int, list[Bucket]]:
-        """For ``id(param)`` of every bucketed param, the buckets holding its memory: those it
-        is a view of (several for a view across flat ranges), or those holding its pieces (a
-        param with storage of its own, :mod:`oss_plus.split_params`); once per layout."""
+        """For ``id(param)`` of every bucketed param, the buckets holding its memory
+        (:func:`oss_plus.inflight.holding_buckets`); once per layout."""
         if self._holding is None:
-            spans = sorted(
-                (b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.nbytes, i)
-                for i, b in enumerate(self.buckets)
-            )
-            starts = [start for start, _, _ in spans]
-            self._holding = {k: list(v) for k, v in self.splits.holding.items()}
-            for p in self._addresses.tensors:
-                low, high = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
-                at = max(0, bisect.bisect_right(starts, low) - 1)
-                found = self._holding.setdefault(id(p), [])
-                while at < len(spans) and spans[at][0] < high:  # a view across ranges too
-                    if spans[at][1] > low:
-                        found.append(self.buckets[spans[at][2]])
-                    at += 1
+            params = self._addresses.tensors
+            self._holding = holding_buckets(self.buckets, self.splits.holding, params)
         return self._holding
 
     def main_bytes(self) -> int:
@@ -199,7 +188,6 @@ class BucketSync:
         return self.splits.view(param, start, end)
 
     # ----------------------------------------------------------------- syncing
-    @torch.no_grad()
     def restore(
         self,
         wire: torch.dtype | None,
@@ -214,24 +202,28 @@ class BucketSync:
         ``stepped()`` (the tensors the inner optimizer steps), a region still compressed
         returns them pointed at its main values instead (:mod:`oss_plus.main_step`: enter
         the result around the local step). Not collective."""
-        self.splits.refresh()
-        keys = None if buckets is None else {id(b) for b in buckets}
-        compressed = functools.partial(_compressed, wire=wire)
-        return self._plans.restore(self.mains, compressed, keys, stepped)
+        if not self.splits.stepping and not self.mains.held:
+            return Redirect()  # nothing to refresh or restore: the usual step, no no_grad
+        with torch.no_grad():
+            self.splits.refresh()
+            keys = None if buckets is None else {id(b) for b in buckets}
+            compressed = functools.partial(_compressed, wire=wire)
+            return self._plans.restore(self.mains, compressed, keys, stepped)
 
-    @torch.no_grad()
     def launch(self, wire: torch.dtype | None, code: int = OK) -> InFlight:
         """Start bringing every replica up to date with the owners' buckets; compress with
         ``wire``; send this rank's status ``code`` (:mod:`oss_plus.status`) with them.
 
         Returns without waiting: :meth:`InFlight.wait` waits (not collective) and stages the
         peers' codes for :class:`oss_plus.status.StepStatus` (nothing is read at once). At
-        world size 1 nothing travels: an :class:`InFlight` with nothing to wait for.
+        world size 1 nothing travels: an :class:`InFlight` with nothing to wait for. No
+        ``no_grad`` (several microseconds per step): it writes only buffers no autograd
+        graph holds (buckets, wire buffers, main copies; as :meth:`start` always did).
 
         .. warning:: Collective: call on every rank of ``group``.
         """
         if self.world_size == 1:
-            return InFlight([], {}, None, self.group)
+            return InFlight([], {}, None, self.group, release=False)
         with label("oss_plus::sync"):
             pending, covers = self._start_gathers(wire, code)
             vector = self.status.send_vector(code)
@@ -241,7 +233,7 @@ class BucketSync:
             for bucket, transfer in zip(self._broadcast, self.start(self._broadcast, wire, code)):
                 pending.append(transfer)
                 covers[id(bucket)] = transfer
-        return InFlight(pending, covers, self.status, self.group)
+        return InFlight(pending, covers, self.status, self.group, release=self._releases_late)
 
     @torch.no_grad()
     def sync(self, wire: torch.dtype | None = None, error: BaseException | None = None) -> None:
@@ -339,7 +331,7 @@ class BucketSync:
         tensor = flat if dtype is None else bucket.wire_buffer(dtype)
         if dtype is not None and mine:
             self.mains.send(bucket, flat, tensor, slot)
-        src = _dist.global_rank(self.group, bucket.owner)
+        src = self._sources[bucket.owner]
         held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         fill = functools.partial(self.splits.fill, (bucket,)) if bucket.pieces else None
