@@ -30,6 +30,7 @@ from oss_plus.main_copy import MAIN_KEY, split_main
 from oss_plus.partition import Rule
 from oss_plus.pieces import PieceGrads
 from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
+from oss_plus.plan_views import PlanViews
 from oss_plus.replan import Replanner
 from oss_plus.shard import LocalShard, evaluate_first
 from oss_plus.state import ParamState, copy_hyper
@@ -40,7 +41,7 @@ from oss_plus.sync import BucketSync
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 
-class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
+class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of
@@ -173,10 +174,6 @@ class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         """The :class:`~oss_plus.plan.ShardPolicy` this optimizer was built with."""
         return self._policy
 
-    def flat_params(self) -> list[torch.Tensor]:
-        """Return every param of every group, in flat-index order (a new list)."""
-        return [p for g in self.param_groups for p in g["params"]]
-
     def export_local_state(self) -> dict[int, ParamState]:
         """Return this rank's optimizer state keyed by flat index.
 
@@ -266,26 +263,6 @@ class OSS(ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
         """
         self._replanner.install(make)  # settles the last step first
         self.drop_consolidated()
-
-    def partition_parameters(self) -> list[list[dict[str, Any]]]:
-        """Return, for every rank, its param groups (fairscale's ``partition_parameters``).
-
-        Element ``r`` lists one dict per global group with the hyperparameters of that group
-        and the params rank ``r`` owns (under the flat rule: holds a piece of; this rank's
-        own entry lists its piece tensors in place of split params).
-        """
-        return [self._shard.local_groups(rank) for rank in range(self.world_size)]
-
-    @property
-    def param_to_rank(self) -> dict[torch.Tensor, int]:
-        """Map every param to the group-local rank that owns it (a split param: the owner of
-        its first piece; ``plan.pieces`` has all of them)."""
-        return dict(zip(self.flat_params(), self.plan.owners))
-
-    @property
-    def wire_dtype(self) -> torch.dtype | None:
-        """The dtype parameters travel as at the next step (None: their own)."""
-        return torch.float16 if self.broadcast_fp16 else self.broadcast_dtype
 
     @property
     def local_shard(self) -> LocalShard:
