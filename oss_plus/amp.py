@@ -215,12 +215,30 @@ class ScalerContract:
     its own, it checks the gradients it sees, sets ``grad_scale`` (the scale; None after
     :meth:`~torch.amp.GradScaler.unscale_`) and ``found_inf`` on the optimizer and calls
     ``step()``. There :func:`scaled_step_skips` unscales what is left, the pieces of cut
-    params included, and agrees with every rank whether to step. A subclass may turn it off
-    (``oss_plus.compat.torch.ZeroRedundancyOptimizer`` does, as torch's class has none).
+    params included, and agrees with every rank whether to step.
+
+    Off by default: under ZeRO-1 (DDP + ``OSS``) every rank holds every averaged gradient, so
+    torch's classic path (each rank unscales and checks them, then steps or skips) is exact
+    and the ranks agree; and frameworks read the flag too (Lightning refuses to clip the
+    gradients of an optimizer that declares it, as it does for torch's fused ones).
+    :class:`oss_plus.ShardedDataParallel` turns it on (:meth:`handle_loss_scaling`): there
+    each rank holds only its own gradients, so its scaler alone would see an overflow on
+    one rank only, and the flat rule's piece gradients are no ``.grad`` at all.
     """
 
-    #: torch.amp.GradScaler.step hands ``grad_scale`` and ``found_inf`` to ``step()``.
-    _step_supports_amp_scaling = True
+    #: torch.amp.GradScaler.step hands ``grad_scale`` and ``found_inf`` to ``step()`` when
+    #: True (an instance attribute set by :meth:`handle_loss_scaling`).
+    _step_supports_amp_scaling = False
+
+    def handle_loss_scaling(self, enabled: bool = True) -> None:
+        """Declare (or withdraw) torch's contract for optimizers that unscale in their own
+        step, so that a plain ``torch.amp.GradScaler`` hands ``step()`` its scale and
+        found-inf flag (see the class doc). :class:`oss_plus.ShardedDataParallel` calls it;
+        call it yourself under ZeRO-1 when the ranks' gradients are not averaged (then an
+        overflow on one rank raises on every rank instead of leaving the others waiting).
+        Not collective; do it on every rank alike.
+        """
+        self._step_supports_amp_scaling = enabled
 
     def _scaled_step_skips(self) -> bool:
         """Whether a grad scaler steps this optimizer and some rank found inf/NaN (then

@@ -90,10 +90,12 @@ def test_the_plain_grad_scaler_disagrees_between_ranks(pool):
 
 
 def plain_scaler_step_task(ctx, unscale):
-    """That scenario through scaler.step(): OSS.step gets the scaler's flag (torch's
+    """That scenario through scaler.step() with the contract declared (ZeRO-1 without
+    averaging: ``handle_loss_scaling()``): OSS.step gets the scaler's flag (torch's
     _step_supports_amp_scaling contract) and the ranks compare theirs."""
     model = make_model()
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    opt.handle_loss_scaling()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     scaled_backward(model, scaler, batch(10 + ctx.rank))
     poison(ctx, model, opt, INF_STEPS[0])
@@ -126,6 +128,7 @@ def plain_fp16_task(ctx):
     them as GradScaler.unscale_ does, on every rank."""
     model = make_model()
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1)
+    opt.handle_loss_scaling()
     if ctx.rank == 1:
         for p in model.parameters():
             p.data = p.data.half()
@@ -144,7 +147,7 @@ def test_fp16_gradients_under_a_plain_scaler_raise_on_every_rank(pool):
 
 def parity_task(ctx, clip, steps=6, plain=False):
     """Same batch everywhere: OSS + ShardedGradScaler (``plain``: torch.amp.GradScaler, which
-    hands its scale to OSS.step) == plain Adam + torch.amp.GradScaler."""
+    steps OSS by its classic path under ZeRO-1) == plain Adam + torch.amp.GradScaler."""
     model = make_model()
     ref_model = clone_model(model)
     opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
@@ -411,6 +414,7 @@ def agreements_task(ctx, plain):
 
     model = make_model()
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    opt.handle_loss_scaling()  # what ShardedDataParallel declares; ShardedGradScaler ignores it
     scaler = (torch.amp.GradScaler if plain else ShardedGradScaler)("cpu", init_scale=2.0**8)
     scaled_backward(model, scaler, batch(3))
     calls, agree = [], _dist.agree
@@ -431,3 +435,41 @@ def agreements_task(ctx, plain):
 @pytest.mark.parametrize("plain", [False, True], ids=["sharded", "plain"])
 def test_one_found_inf_agreement_per_step(pool, plain):
     assert pool.run(agreements_task, plain, world_size=2, timeout=30) == [1, 1]
+
+
+# ------------------------------------------------------------------ who declares the contract
+def contract_task(ctx):
+    """torch's ``_step_supports_amp_scaling`` as torch's GradScaler and Lightning read it
+    (``getattr(optimizer, "_step_supports_amp_scaling", False)``), per setup."""
+    from oss_plus import ShardedDataParallel
+    from oss_plus.compat import fairscale
+    from oss_plus.compat import torch as torch_compat
+
+    def flag(opt):
+        return getattr(opt, "_step_supports_amp_scaling", False)
+
+    found = {}
+    for name, make in (
+        ("oss", lambda ps: OSS(ps, group=ctx.group, lr=0.1)),
+        ("fairscale", lambda ps: fairscale.OSS(ps, group=ctx.group, lr=0.1)),
+        (
+            "torch",
+            lambda ps: torch_compat.ZeroRedundancyOptimizer(
+                ps, torch.optim.SGD, process_group=ctx.group, lr=0.1
+            ),
+        ),
+    ):
+        zero1 = make(make_model().parameters())
+        model = make_model()
+        zero2 = make(model.parameters())
+        ShardedDataParallel(model, zero2, ctx.group)
+        found[name] = (flag(zero1), flag(zero2))
+    return found
+
+
+def test_the_contract_is_declared_where_the_scaler_cannot_see_every_gradient(pool):
+    """ZeRO-1 keeps torch's classic path (every rank holds every averaged gradient; Lightning
+    clips only optimizers without the flag); ShardedDataParallel declares it on OSS; the
+    fairscale and torch adapters never (their classes have no such contract)."""
+    for found in pool.run(contract_task, world_size=2, timeout=60):
+        assert found == {"oss": (False, True), "fairscale": (False, False), "torch": (False, False)}

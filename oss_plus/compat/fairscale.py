@@ -117,6 +117,12 @@ class OSS(CompatOSS):
             _dist.global_rank(self.group, r) for r in range(self.world_size)
         ]
 
+    def handle_loss_scaling(self, enabled: bool = True) -> None:
+        """Does nothing: fairscale's ``OSS`` has no loss-scaling contract. Its users pair it
+        with ``ShardedGradScaler`` (Lightning 1.9's ``ddp_sharded`` does, and refuses to clip
+        the gradients of an optimizer that declares the contract), also under
+        :class:`oss_plus.ShardedDataParallel`; its partition keeps every param whole."""
+
     # ----------------------------------------------------------------- fairscale attributes
     @property
     def _param_to_rank(self) -> dict[torch.Tensor, int]:

@@ -151,6 +151,10 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
     #: Off: torch's class has no such contract (see above).
     _step_supports_amp_scaling = False
 
+    def handle_loss_scaling(self, enabled: bool = True) -> None:
+        """Does nothing: torch's class has no such contract, and under ``Join`` it cannot
+        hold (see the class doc)."""
+
     def __init__(
         self,
         params: Any,

@@ -152,6 +152,8 @@ class ShardedDataParallel(nn.Module):
             if len(types) > 1:
                 raise ValueError(_validate.MIXED_DEVICE_TYPES.format(types=types))
             _validate.owners_of(self._optimizers, list(module.named_parameters()))
+            for optimizer in self._optimizers:  # each rank holds only its own gradients
+                optimizer.handle_loss_scaling()
         except (TypeError, ValueError) as exc:
             error = exc
         graph = graph_grads(module)
