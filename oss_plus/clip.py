@@ -338,12 +338,13 @@ class ShardedClip:
     ) -> torch.Tensor:
         """Clip the gradients by their total norm over the group, like ``clip_grad_norm_``.
 
-        Each rank scales the gradients of the params it owns now (a trainability change is
-        repartitioned first, as :meth:`step` would); one ``all_reduce`` gives every rank the
-        same total. Over the optimizer's group without ``filter_params_fn`` the total is
-        bit-identical to ``torch.nn.utils.clip_grad_norm_`` in fp32 (exact to float32 on
-        bf16/fp16 grads); with ``group=`` or ``filter_params_fn``, float64 partial sums are
-        reduced instead. Ranks must agree on which params have a gradient (as under DDP).
+        Each rank scales the gradients of the params it owns now (after a trainability
+        change, which the next :meth:`step` repartitions, every gradient it holds); one
+        ``all_reduce`` gives every rank the same total. Over the optimizer's group without
+        ``filter_params_fn`` the total is bit-identical to ``torch.nn.utils.clip_grad_norm_``
+        in fp32 (exact to float32 on bf16/fp16 grads); with ``group=`` or
+        ``filter_params_fn``, float64 partial sums are reduced instead. Ranks must agree on
+        which params have a gradient (as under DDP).
         See :mod:`oss_plus.clip`.
 
         Args:
