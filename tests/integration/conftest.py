@@ -122,3 +122,15 @@ def run_recipe(tmp_path: Path):
         return tmp_path / "sharded"
 
     return run
+
+
+@pytest.fixture
+def run_recipe_once(tmp_path: Path):
+    """Run a recipe's ``train`` phase alone (it trains both runs), then compare its
+    ``resumed`` file with its ``reference`` file."""
+
+    def run(recipe: str, python: str = sys.executable) -> None:
+        launch(recipe, "train", tmp_path, python)
+        assert_resumed_equals_reference(tmp_path)
+
+    return run

@@ -15,6 +15,13 @@ def test_lightning_2_ddp_with_model_checkpoint_and_ckpt_path(run_recipe):
     run_recipe("lightning2")
 
 
+def test_lightning_2_clips_amp_gradients_of_oss_as_of_the_plain_optimizer(run_recipe_once):
+    """A GradScaler and gradient_clip_val: Lightning refuses to clip an optimizer that
+    declares torch's loss-scaling contract, which OSS does only under ShardedDataParallel."""
+    pytest.importorskip("lightning", reason="pip install lightning (the integration extra)")
+    run_recipe_once("lightning2_amp")
+
+
 @pytest.mark.parametrize("kind", ["torch", "oss"])
 def test_ignite_checkpoint_handler(run_recipe, kind, monkeypatch):
     pytest.importorskip("ignite", reason="pip install pytorch-ignite (the integration extra)")
