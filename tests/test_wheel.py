@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: What the build reads: the package, its metadata, and the README (the long description).
-BUILD_INPUTS = ("oss_plus", "setup.cfg", "pyproject.toml", "README.md")
+#: What the build reads: the package, its metadata, the README (the long description) and
+#: the license text the wheel carries.
+BUILD_INPUTS = ("oss_plus", "setup.cfg", "pyproject.toml", "README.md", "LICENSE")
 #: Packages the fresh venv borrows from this interpreter (numpy only where installed).
 BORROWED = ("torch", "safetensors", "numpy")
 #: Entries of the running site-packages the fresh venv must not see.
@@ -128,3 +129,15 @@ def test_bench_runs_from_the_wheel(venv: Path) -> None:
     # the same params on the wire as torch's, plus oss_plus's one fp32 status slot per owner
     # bucket (2 ranks, one dtype: docs/design.md, "When a step fails")
     assert rows["oss_plus"]["wire_bytes"] == rows["torch_zero_bv"]["wire_bytes"] + 2 * 4 > 8
+
+
+def test_the_wheel_carries_the_license_it_declares(venv: Path) -> None:
+    code = (
+        "import importlib.metadata as m; d = m.distribution('oss_plus'); "
+        "print(d.metadata.get('License-Expression') or d.metadata.get('License')); "
+        "print(*[f.locate() for f in d.files or () if f.name == 'LICENSE'], sep='\\n')"
+    )
+    declared, *found = _run(venv / "bin" / "python", "-c", code, cwd=venv.parent).stdout.split("\n")
+    assert declared == "BSD-3-Clause"
+    (text,) = [Path(f).read_text() for f in found if f]  # exactly one copy, in the dist-info
+    assert text == (ROOT / "LICENSE").read_text() and "BSD 3-Clause License" in text
