@@ -299,3 +299,52 @@ def test_mixed_dtype_model_compresses_only_the_wider_params(pool, world, wire):
         assert res["sent"] == res["wire_bytes"] == expected
         narrow = {torch.float16, torch.bfloat16} - {dtype}
         assert res["wire_dtypes"] == {dtype} | (narrow & set(numel))
+
+
+# ------------------------------------------------ world size 1: nothing to compress
+class _DtypesSeen(torch.overrides.TorchFunctionMode):
+    """Records the dtypes of every tensor given to, or made by, a torch function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        values = [*args, *(kwargs or {}).values(), out]
+        for v in values:
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(t, torch.Tensor):
+                    self.seen.add(t.dtype)
+        return out
+
+
+def world_one_wire_task(ctx, wire):
+    model = make_model()
+    ref_model = clone_model(model)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, group=ctx.group, lr=0.01)
+    set_wire(opt, wire)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    seen = set()
+    for step in range(3):
+        for m in (model, ref_model):
+            m.zero_grad()
+            backward(m, step)
+        with _DtypesSeen() as mode:
+            opt.step()
+        seen |= mode.seen
+        ref.step()
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    return same, seen, opt.sync_buckets.main_bytes(), opt.sync_buckets.wire_bytes(WIRES[wire])
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_at_world_size_1_a_compressed_wire_steps_as_the_fp32_one(pool, wire):
+    """One rank has no replica to send to: the compressed wire's step is the plain step
+    (bit-identical to the unsharded Adam), rounds nothing (no tensor of the wire's dtype
+    reaches a torch function during the step), keeps no main copy and has no wire: on any
+    device it costs what the fp32 step costs."""
+    ((same, seen, main_bytes, wire_bytes),) = pool.run(world_one_wire_task, wire, world_size=1)
+    assert same
+    assert WIRES[wire] not in seen and torch.float32 in seen  # the mode did see the step
+    assert main_bytes == 0 and wire_bytes == 0
