@@ -218,19 +218,21 @@ def test_async_checkpoint_bench_measures_against_dcp():
 def test_zero2_bench_shows_the_gradient_memory_zero2_saves(capsys):
     """``bench --zero2``: ShardedDataParallel's ranks hold fewer gradient bytes than DDP's."""
     argv = ["bench", "--zero2", "--width", "512", "--steps", "2", "--rounds", "2"]
-    assert main([*argv, "--impls", "oss_plus_sdp,ddp_oss"]) == 0
+    configs = ("oss_plus_sdp", "ddp_oss", "ddp_adam")
+    assert main([*argv, "--impls", ",".join(configs)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    grads = {(r[0], r[1]): float(r[3]) for r in rows if r and r[0] in ("oss_plus_sdp", "ddp_oss")}
-    assert len(grads) == 4
+    grads = {(r[0], r[1]): float(r[3]) for r in rows if r and r[0] in configs}
+    assert len(grads) == 6
     for rank in ("0", "1"):
         assert 0 < grads[("oss_plus_sdp", rank)] < grads[("ddp_oss", rank)]
-    # the many-small-layers row: both configs on both ranks, DDP + OSS the 1.00x anchor
+        assert grads[("ddp_adam", rank)] == grads[("ddp_oss", rank)]  # DDP keeps every grad
+    # the many-small-layers row: every config on both ranks, DDP + OSS the 1.00x anchor of
+    # the "vs DDP" column, DDP + the plain Adam that of the last column
     small = {(r[1], r[2]): r for r in rows if r and r[0] == "small-layers" and r[2] in "01"}
-    assert sorted(small) == [(c, k) for c in ("ddp_oss", "oss_plus_sdp") for k in "01"]
-    assert all(
-        small[("ddp_oss", k)][4] == "1.00x" and float(small[("oss_plus_sdp", k)][3]) > 0
-        for k in "01"
-    )
+    assert sorted(small) == [(c, k) for c in sorted(configs) for k in "01"]
+    for k in "01":
+        assert small[("ddp_oss", k)][4] == "1.00x" and small[("ddp_adam", k)][6] == "1.00x"
+        assert float(small[("oss_plus_sdp", k)][3]) > 0
 
 
 # ------------------------------------------------------------------ docs/benchmarks.md "GPU"

@@ -1,6 +1,6 @@
-"""ZeRO-2 side by side: oss_plus ShardedDataParallel + OSS, DDP + oss_plus.OSS, fairscale's
-ShardedDataParallel + OSS, on local gloo ranks (each configuration in fresh processes, so
-peak RSS is its own).
+"""ZeRO-2 side by side: oss_plus ShardedDataParallel + OSS, DDP + oss_plus.OSS, DDP + the plain
+Adam, fairscale's ShardedDataParallel + OSS, on local gloo ranks (each configuration in fresh
+processes, so peak RSS is its own).
 
     python -m oss_plus.bench.zero2 [--world 2] [--steps 6] [--width 2048] [--layers 5]
     python -m oss_plus.bench.zero2 --collectives   # reduce-to-owner collectives on gloo
@@ -19,7 +19,8 @@ Then the side-by-side rows (:data:`ROWS`): the CPU proxy (``--deep-layers`` x (L
 and, only where CUDA exists (``--backend nccl``), issue 26's two GPU models (24 x
 (Linear(2048) + LayerNorm + GELU) and 96 x (Linear(512) + LayerNorm + GELU), batch 64, bf16
 autocast). The configurations run side by side in the same processes, one iteration each in
-turn (order rotated every round), and each row gives each median against DDP + OSS. On CUDA
+turn (order rotated every round), and each row gives each median against DDP + OSS (and,
+when ``ddp_adam`` runs, against DDP + the plain Adam). On CUDA
 it also counts the device-to-host syncs of one iteration (``torch.cuda.set_sync_debug_mode``).
 """
 
@@ -43,8 +44,10 @@ CONFIGS = (
     "oss_plus_sdp_no_unused",
     "oss_plus_sdp_flat",
     "ddp_oss",
+    "ddp_adam",
     "fairscale_sdp",
 )
+#: ``ddp_adam`` is DDP with the plain (unsharded) Adam, what ZeRO is measured against.
 #: Also accepted by --configs: oss_plus's SDP forced to one collective. A ``_no_unused``
 #: suffix means ``find_unused_parameters=False`` (like DDP's default, and fairscale's SDP,
 #: which sends no used flags); ``_flat``, an optimizer with ``partition_rule="flat"``. An
@@ -107,7 +110,7 @@ def check_config(config: str) -> None:
         ValueError: unknown config 'ddp': expected ...
     """
     name = config.removesuffix("_again")
-    if name in ("ddp_oss", "fairscale_sdp"):
+    if name in ("ddp_oss", "ddp_adam", "fairscale_sdp"):
         return
     base = name.replace("_no_unused", "").replace("_flat", "").replace("_hybrid", "")
     if base in ("oss_plus_sdp", *EXTRA_CONFIGS):
@@ -151,6 +154,11 @@ def _wrap(config: str, model: torch.nn.Module, bucket: int | None, **adam: Any) 
 
         opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-4, **adam)
         return DistributedDataParallel(model), opt
+    if config == "ddp_adam":
+        from torch.nn.parallel import DistributedDataParallel
+
+        plain = torch.optim.Adam(model.parameters(), lr=1e-4, **adam)
+        return DistributedDataParallel(model), plain
     from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
     from fairscale.optim import OSS as FairscaleOSS
 
@@ -356,14 +364,15 @@ def _print_deep(args: argparse.Namespace, configs: list[str], backend: str) -> N
             f"rank(s), side by side, median of {args.deep_rounds}"
         )
         header = f"{'row':>10} {'config':>22} {'rank':>4} {'iter (ms)':>10} {'vs DDP':>7}"
-        print(f"{header} {'syncs':>6}")
+        print(f"{header} {'syncs':>6} {'vs Adam':>8}")
         for rank, r in enumerate(results):
             anchor = r["ddp_oss"][0] if "ddp_oss" in r else float("nan")
+            plain = r["ddp_adam"][0] if "ddp_adam" in r else float("nan")
             for config, (seconds, syncs) in r.items():
                 shown = "n/a" if syncs < 0 else str(syncs)
                 print(
                     f"{name:>10} {config:>22} {rank:>4} {seconds * 1e3:>10.2f} "
-                    f"{seconds / anchor:>6.2f}x {shown:>6}"
+                    f"{seconds / anchor:>6.2f}x {shown:>6} {seconds / plain:>7.2f}x"
                 )
 
 
