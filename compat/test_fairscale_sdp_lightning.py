@@ -17,7 +17,9 @@ what it may replace afterwards (``oss_plus.shard.evaluate_first``); that also fi
 ``requires_grad`` change seen by the SDP inside the closure, which replaced the inner
 optimizer while the old one stepped (wrong before 529d4c7 too).
 
-Reference: DDP + the plain optimizer, same data, same closure. Bit-identical at 2 ranks; at 3
+Reference: DDP + the plain optimizer, same data, same closure. Bit-identical at 2 ranks (with
+reproducible BLAS, as the suite runs: fairscale's unpadded buckets put the params at other
+alignments than DDP's, conftest.py); at 3
 ranks within 1e-6 (gloo's reduce to the owner sums in another order than DDP's all-reduce;
 the real fairscale OSS in the same flow differs from DDP exactly as much, and oss_plus is
 bit-identical to it).
@@ -170,7 +172,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+#: At 2 ranks bit-identical to DDP only with reproducible BLAS: fairscale's unpadded buckets
+#: put the params at other alignments than DDP's, and MKL's matrix-vector product (the
+#: model's last Linear, one output) rounds by alignment on some CPUs (conftest.py).
+WORLDS = [pytest.param(2, marks=pytest.mark.reproducible_blas), 3]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name,bucket,how", CASES)
 def test_fairscale_sdp_over_oss_plus_resumes_like_ddp(pool, tmp_path, name, bucket, how, world):
     path = str(tmp_path / "optim.pt")
@@ -186,7 +194,7 @@ def test_fairscale_sdp_over_oss_plus_resumes_like_ddp(pool, tmp_path, name, buck
             assert torch.equal(ours["mid"], fs["mid"]) and torch.equal(ours["last"], fs["last"])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_a_freeze_seen_by_the_sdp_inside_the_closure_repartitions_before_the_step(
     pool, tmp_path, world
 ):

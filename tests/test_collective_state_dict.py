@@ -18,6 +18,10 @@ from oss_plus.compat import torch as torch_compat
 from oss_plus.state_dict import STATE_DICT_HINT
 
 KINDS = ["oss", "fairscale", "torch"]
+#: The same, for the tests that compare with the unsharded Adam bit for bit: the fairscale
+#: adapter keeps fairscale's unpadded buckets, whose params MKL's matrix-vector product rounds
+#: alike only with reproducible BLAS (conftest.py, docs/portability.md).
+EXACT_KINDS = ["oss", pytest.param("fairscale", marks=pytest.mark.reproducible_blas), "torch"]
 
 
 def build(kind, model, ctx, **extra):
@@ -61,7 +65,7 @@ def every_rank_task(ctx, kind):
     return first, again
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", EXACT_KINDS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_on_every_rank_consolidates_itself(pool, kind, world):
     want = reference_state(3)
@@ -105,7 +109,7 @@ def one_rank_scenario(ctx, kind, caller):
     return alone, together, saved
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", EXACT_KINDS)
 @pytest.mark.parametrize("caller", [0, 1])
 def test_a_call_on_one_rank_raises_there_and_never_hangs(pool, kind, caller):
     results = pool.run(one_rank_task, kind, caller, world_size=2, timeout=60)

@@ -14,7 +14,14 @@ from oss_plus._layout import own_storage
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
 
-LAYOUTS = ["oss", "fairscale", "torch_bucket_view", "torch_per_param"]
+#: The fairscale adapter keeps fairscale's unpadded buckets: bit-identical to the unsharded
+#: model only with reproducible BLAS (conftest.py, docs/portability.md).
+LAYOUTS = [
+    "oss",
+    pytest.param("fairscale", marks=pytest.mark.reproducible_blas),
+    "torch_bucket_view",
+    "torch_per_param",
+]
 
 
 def build(kind, model, ctx):
