@@ -135,7 +135,7 @@ def transport_task(ctx, transport):
     """The core's sync transports keep fairscale's addresses modulo 64 bytes."""
     import os
 
-    from oss_plus.sync import TRANSPORT_ENV
+    from oss_plus.wire.sync import TRANSPORT_ENV
 
     os.environ[TRANSPORT_ENV] = transport
     try:

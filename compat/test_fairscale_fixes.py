@@ -173,7 +173,7 @@ def test_different_models_on_the_ranks(pool):
 
 
 def scaler_task(ctx, kind, scaler_name):
-    from oss_plus.amp import ShardedGradScaler
+    from oss_plus.amp.scaler import ShardedGradScaler
 
     m = make_diff_model()
     opt = CLASSES[kind](m.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)

@@ -13,7 +13,7 @@ Since 529d4c7 ``OSS.step`` read the parameter sync before running the closure an
 one: the refresh inside the closure had released it (the params left its buffers), so the
 step's updates never reached the other ranks (the reported run ended 0.0387 away from DDP +
 AdamW, its checkpointed state 9.4e-4 off). ``step()`` now runs the closure first and reads
-what it may replace afterwards (``oss_plus.shard.evaluate_first``); that also fixes a
+what it may replace afterwards (``oss_plus.step.shard.evaluate_first``); that also fixes a
 ``requires_grad`` change seen by the SDP inside the closure, which replaced the inner
 optimizer while the old one stepped (wrong before 529d4c7 too).
 

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from oss_plus._launch import DEVICES, choose_device
+from oss_plus.runtime.launch import DEVICES, choose_device
 
 
 def setup(requested: str = "auto") -> torch.device:

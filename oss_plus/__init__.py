@@ -1,12 +1,21 @@
-"""oss_plus: sharded optimizer state (ZeRO stage 1) on torch.distributed."""
+"""oss_plus: sharded optimizer state (ZeRO stage 1) on torch.distributed.
 
-from oss_plus.amp import ShardedGradScaler
+The public API is ``__all__`` below plus the subpackages ``planning``, ``checkpoint``,
+``data_parallel``, ``overlap``, ``compat`` (``compat.fairscale``, ``compat.torch``) and
+``integrations``, and the modules ``hybrid`` and ``testing`` (``docs/api.rst``;
+``tests/test_public_api.py`` pins it). Everything else is internal.
+"""
+
+from typing import Any
+
+from oss_plus import _moved
+from oss_plus.amp.scaler import ShardedGradScaler
 from oss_plus.checkpoint import load_checkpoint, save_checkpoint
 from oss_plus.data_parallel import ShardedDataParallel
 from oss_plus.hybrid import HybridGroups, hybrid_groups
 from oss_plus.optimizer import OSS
-from oss_plus.partition import ParamSpec, Rule, assign_owners
-from oss_plus.pieces import elementwise
+from oss_plus.planning.partition import ParamSpec, Rule, assign_owners
+from oss_plus.step.pieces import elementwise
 
 __all__ = [
     "OSS",
@@ -22,3 +31,10 @@ __all__ = [
     "save_checkpoint",
 ]
 __version__ = "0.2.0"
+
+_moved.install()
+
+
+def __getattr__(name: str) -> Any:
+    # the 0.2 module paths (oss_plus.plan, ...) until 0.4: oss_plus._moved
+    return _moved.package_getattr(name)

@@ -16,7 +16,7 @@ COMMANDS = {
     "demo": "oss_plus.demo",
     "bench": "oss_plus.bench.cli",
     "ckpt": "oss_plus.checkpoint.cli",
-    "plan": "oss_plus.plan_report",
+    "plan": "oss_plus.planning.report",
 }
 
 

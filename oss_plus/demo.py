@@ -2,7 +2,7 @@
 
 Each rank takes its own GPU under NCCL when there is one per rank, else every rank runs on
 the CPU under gloo (and the report's first line says so when some GPUs were too few);
-``--device`` overrides (:func:`oss_plus._launch.choose_device`).
+``--device`` overrides (:func:`oss_plus.runtime.launch.choose_device`).
 
 ``--amp`` runs the recipe of ``docs/amp.md`` instead: fp16 autocast + ShardedGradScaler +
 OSS.clip_grad_norm + a bf16 wire, against DDP + torch.amp.GradScaler + clip_grad_norm_ + Adam.
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from oss_plus._launch import DEVICES, choose_device, run_local
-from oss_plus.amp import ShardedGradScaler
+from oss_plus.amp.scaler import ShardedGradScaler
 from oss_plus.optimizer import OSS
+from oss_plus.runtime.launch import DEVICES, choose_device, run_local
 
 #: Gradient-norm bound, initial loss scale and growth interval of the --amp demo.
 AMP_MAX_NORM = 1.0

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from oss_plus import _dist
+from oss_plus.runtime import dist as _dist
 
 __all__ = [
     "GROUPS_DO_NOT_TILE",

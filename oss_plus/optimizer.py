@@ -2,10 +2,10 @@
 
 Each rank of ``group`` keeps the optimizer state of the parameters it owns and steps them
 with an ordinary ``torch.optim`` optimizer (``self.optim``); after the local step every owner
-broadcasts its parameters (:mod:`oss_plus.sync`). Who owns what is a frozen
-:class:`~oss_plus.plan.ShardPlan` (pure code: :mod:`oss_plus.plan`); moving state between
-ranks is :mod:`oss_plus.consolidate`; following the params' changes (plan again, lay out
-again) is :mod:`oss_plus.replan`.
+broadcasts its parameters (:mod:`oss_plus.wire.sync`). Who owns what is a frozen
+:class:`~oss_plus.planning.plan.ShardPlan` (pure code: :mod:`oss_plus.planning.plan`); moving
+state between ranks is :mod:`oss_plus.state.consolidate`; following the params' changes
+(plan again, lay out again) is :mod:`oss_plus.step.replan`.
 
 Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only the
 *extension contract* (API reference); no other module touches an underscore member of
@@ -21,22 +21,25 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _arrival, _dist, _params, hybrid
-from oss_plus._params import PLANS_DIFFER
-from oss_plus.amp import ScalerContract
-from oss_plus.clip import ShardedClip
-from oss_plus.inflight import ForwardWaits
-from oss_plus.main_copy import MAIN_KEY, split_main
-from oss_plus.partition import Rule
-from oss_plus.pieces import PieceGrads
-from oss_plus.plan import ShardPlan, ShardPolicy, make_plan
-from oss_plus.plan_views import PlanViews
-from oss_plus.replan import Replanner
-from oss_plus.shard import LocalShard, evaluate_first
-from oss_plus.state import ParamState, copy_hyper
-from oss_plus.state_dict import NOT_CONSOLIDATED, ShardedStateDict
-from oss_plus.stepping import StepDriver
-from oss_plus.sync import BucketSync
+from oss_plus import hybrid
+from oss_plus.amp.clip import ShardedClip
+from oss_plus.amp.scaler import ScalerContract
+from oss_plus.planning.partition import Rule
+from oss_plus.planning.plan import ShardPlan, ShardPolicy, make_plan
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime import dist as _dist
+from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
+from oss_plus.state.index import ParamState, copy_hyper
+from oss_plus.step import params as _params
+from oss_plus.step.driver import StepDriver
+from oss_plus.step.params import PLANS_DIFFER
+from oss_plus.step.pieces import PieceGrads
+from oss_plus.step.replan import Replanner
+from oss_plus.step.shard import LocalShard, evaluate_first
+from oss_plus.step.views import PlanViews
+from oss_plus.wire.inflight import ForwardWaits
+from oss_plus.wire.main.region import MAIN_KEY, split_main
+from oss_plus.wire.sync import BucketSync
 
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
@@ -70,7 +73,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             Overrides the rule of ``shard_policy``.
         broadcast_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``;
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
-        shard_policy: keyword-only :class:`~oss_plus.plan.ShardPolicy` (partition rule,
+        shard_policy: keyword-only :class:`~oss_plus.planning.plan.ShardPolicy` (partition rule,
             local order, bucket layout, transport); how the adapters customise the core.
         replicate_group: keyword-only, for hybrid sharding: the ranks holding the same shard
             as this one (one per shard group ``group``; :func:`oss_plus.hybrid_groups` builds
@@ -85,7 +88,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         auto_refresh: keyword-only, a plain attribute read at every step (default True):
             :meth:`step` follows ``requires_grad`` changes (repartitions on every rank, as
             :meth:`refresh_trainable`) and re-allocated params (``module.to()``; lays them
-            out again, as :meth:`install_sync`); :mod:`oss_plus.changes` says what is read
+            out again, as :meth:`install_sync`); :mod:`oss_plus.step.changes` says what is read
             when. With False, call those two methods yourself after such a change.
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
@@ -171,7 +174,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
 
     @property
     def policy(self) -> ShardPolicy:
-        """The :class:`~oss_plus.plan.ShardPolicy` this optimizer was built with."""
+        """The :class:`~oss_plus.planning.plan.ShardPolicy` this optimizer was built with."""
         return self._policy
 
     def export_local_state(self) -> dict[int, ParamState]:
@@ -181,10 +184,10 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         before the next :meth:`step` if they must outlive it. For a param the plan splits
         (``plan.split``), the state is this rank's piece (``plan.piece(rank, index)``):
         tensors shaped like the param hold the piece's elements, 1-D
-        (:func:`oss_plus.pieces.stitch_state` makes the whole state of the pieces).
+        (:func:`oss_plus.step.pieces.stitch_state` makes the whole state of the pieces).
 
         Under a compressed wire, the exact values of what this rank sends (its main
-        copies, ``docs/amp.md``) are the entry :data:`oss_plus.main_copy.MAIN_KEY`
+        copies, ``docs/amp.md``) are the entry :data:`oss_plus.wire.main.region.MAIN_KEY`
         (``"oss_plus.main"``) of each param's state, shaped like the param (its piece).
         """
         self._driver.wait()
@@ -233,7 +236,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
                 only); raised on every rank, before any state moves.
 
         .. warning:: Collective: call on every rank of ``group`` with the same plan (a call
-            on some ranks only raises there, :mod:`oss_plus._arrival`).
+            on some ranks only raises there, :mod:`oss_plus.runtime.arrival`).
         """
         with _arrival.entry(self.group, "repartition()"):
             self._replanner.adopt(plan, pin)  # settles the last step first
@@ -252,7 +255,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
 
         The object needs ``sync(wire_dtype, error)`` (raising on every rank when ``error``
         is given on any rank), ``is_intact()`` and ``release()``; a
-        :class:`oss_plus.sync.BucketSync` is launched instead, its status checked at the
+        :class:`oss_plus.wire.sync.BucketSync` is launched instead, its status checked at the
         next check (:meth:`settle`). The last step is settled first; the consolidated
         state is dropped.
 
@@ -266,13 +269,13 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
 
     @property
     def local_shard(self) -> LocalShard:
-        """This rank's :class:`~oss_plus.shard.LocalShard`: the plan, the tensors its inner
+        """This rank's :class:`~oss_plus.step.shard.LocalShard`: the plan, the tensors its inner
         optimizer steps (whole params, or the pieces of split ones) and that optimizer."""
         return self._shard
 
     def trainability_changed(self) -> bool:
         """Whether ``requires_grad`` changed since the plan was made, as :meth:`step` reads it
-        (:mod:`oss_plus.changes`: a frozen param unfrozen at once, a freeze within a few
+        (:mod:`oss_plus.step.changes`: a frozen param unfrozen at once, a freeze within a few
         calls; never at world size 1 nor with ``auto_refresh`` False). Call it on every rank
         alike: each call reads the next slice of the trainable params."""
         return self.auto_refresh and self._replanner.changes.trainability_changed()
@@ -300,7 +303,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
                 world size 1: here); the sync completes first and nothing is undone (see
                 ``docs/design.md``, "When a step fails").
             RuntimeError: stepped by a plain ``torch.amp.GradScaler`` that cannot be followed
-                exactly (:func:`oss_plus.amp.scaled_step_skips`), on every rank, nothing
+                exactly (:func:`oss_plus.amp.scaler.scaled_step_skips`), on every rank, nothing
                 updated.
 
         .. warning:: Collective: call on every rank of ``group``.
@@ -347,7 +350,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             Exception: a rank's last step raised (that rank's error there, elsewhere one of
                 the same type naming it).
             ValueError: ``requires_grad`` changed on some ranks only before the last step
-                (:data:`oss_plus.status.TRAINABILITY_DIFFERS`).
+                (:data:`oss_plus.wire.status.TRAINABILITY_DIFFERS`).
 
         .. warning:: Collective when a step failed: call on every rank of ``group``.
         """
@@ -387,7 +390,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         trainability is tracked like every other param's.
 
         .. warning:: Collective: call on every rank of ``group`` with the same group (a call
-            on some ranks only raises there, :mod:`oss_plus._arrival`).
+            on some ranks only raises there, :mod:`oss_plus.runtime.arrival`).
         """
         if not self._initialized:
             super().add_param_group(param_group)
@@ -407,7 +410,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         Also runs automatically at :meth:`step` when ``requires_grad`` changed.
 
         .. warning:: Collective: call on every rank of ``group`` (a call on some ranks only
-            raises there within the arrival timeout, :mod:`oss_plus._arrival`).
+            raises there within the arrival timeout, :mod:`oss_plus.runtime.arrival`).
         """
         with _arrival.entry(self.group, "refresh_trainable()"):
             self.repartition()

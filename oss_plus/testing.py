@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._launch import free_port, init_local_group
+from oss_plus.runtime.launch import free_port, init_local_group
 
 logger = logging.getLogger(__name__)
 

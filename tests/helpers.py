@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus.sync import transport_override as transport  # noqa: F401 - shared name
+from oss_plus.wire.sync import transport_override as transport  # noqa: F401 - shared name
 
 #: The repository root (the checkout the tests run from).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +41,7 @@ WORLD_IDS = ["ws1", "ws2", "ws3", "ws4", "offset23"]
 MULTI_RANK_WORLDS = WORLDS[1:]
 MULTI_RANK_WORLD_IDS = WORLD_IDS[1:]
 
-#: Parameter-sync transports of oss_plus.sync, selected with :func:`transport`.
+#: Parameter-sync transports of oss_plus.wire.sync, selected with :func:`transport`.
 TRANSPORTS = ["broadcast", "all_gather"]
 
 #: Optimizers as name -> (class, kwargs): a stateful SGD and Adam.
@@ -133,7 +133,7 @@ def make_model(seed: int = 0, width: int = 6, depth: int = 3) -> torch.nn.Module
 def make_cut_model(seed: int = 0) -> torch.nn.Module:
     """29 x (Linear(6, 6) + Tanh): under the flat rule on 2-4 ranks some param is cut by a
     range boundary, and the params cut hold at most ``SLOTTED_SHARE`` of the elements, so
-    broadcast ranges carry their status slots (:func:`oss_plus._layout.flat_buckets`)."""
+    broadcast ranges carry their status slots (:func:`oss_plus.wire.layout.flat_buckets`)."""
     torch.manual_seed(seed)
     layers: list[torch.nn.Module] = []
     for _ in range(29):
@@ -253,7 +253,7 @@ def wire_traffic() -> Iterator[list[tuple[str, torch.dtype, int]]]:
     bookkeeping (``wire_bytes()``)."""
     import torch.distributed as dist
 
-    from oss_plus import sync
+    from oss_plus.wire import sync
 
     seen: list[tuple[str, torch.dtype, int]] = []
     broadcast, gather = dist.broadcast, sync._all_gather_single
@@ -566,8 +566,8 @@ def counts_while_holding_the_gil(
     ``step`` in 1..steps, with a 1 s switch interval: this thread keeps the GIL after a
     collective's ``wait()``, so a gloo worker that still has to drop its reference (which
     takes the GIL) cannot do it before the counts are read, unless the code under test
-    yielded until it did (``oss_plus._dist.await_release``)."""
-    from oss_plus._dist import use_counts
+    yielded until it did (``oss_plus.runtime.dist.await_release``)."""
+    from oss_plus.runtime.dist import use_counts
 
     before = use_counts(tensors)
     interval = sys.getswitchinterval()

@@ -20,7 +20,7 @@ called without an active exception", a timeout). ``--skip`` drops components, to
 a few steps, then one more forward and ``backward()`` with no step, and exit (the reducer's
 collectives are the last ones); ``--torch-last`` steps an ``OSS`` and ends with plain
 ``dist.all_gather`` calls of temporaries and no ``destroy_process_group()``, as fairscale's
-test suites end (torch's collectives last: only the exit handler of ``oss_plus._exit``
+test suites end (torch's collectives last: only the exit handler of ``oss_plus.runtime.exit``
 covers them); ``--install-only`` calls ``oss_plus.compat.fairscale.install()`` and trains
 plain DDP + Adam, no ``OSS`` (the DDP reference run of a script that installs the adapter,
 issue 36). ``LIFECYCLE_SWITCH_S`` raises the interpreter's switch

@@ -15,8 +15,8 @@ from helpers import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler
-from oss_plus._dist import PEER_FAILED
-from oss_plus.amp import SCALES_WOULD_DIFFER
+from oss_plus.amp.scaler import SCALES_WOULD_DIFFER
+from oss_plus.runtime.dist import PEER_FAILED
 
 INF_STEPS = (1, 3)
 
@@ -410,7 +410,7 @@ def test_the_recipe_in_docs_amp_md_runs(pool):
 def agreements_task(ctx, plain):
     """How many found-inf agreements one scaled step of OSS makes (each is an all_gather and
     a host read): ShardedGradScaler's own only, a plain GradScaler's in OSS.step only."""
-    from oss_plus import _dist
+    from oss_plus.runtime import dist as _dist
 
     model = make_model()
     opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)

@@ -19,9 +19,10 @@ import pytest
 import torch
 from helpers import backward, catch, make_model, train
 
-from oss_plus import OSS, ShardedDataParallel, _arrival, load_checkpoint, save_checkpoint
+from oss_plus import OSS, ShardedDataParallel, load_checkpoint, save_checkpoint
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
+from oss_plus.runtime import arrival as _arrival
 
 #: The arrival timeout in these tests (seconds), and what a caller may take at most to raise.
 SHORT_S = 1.0

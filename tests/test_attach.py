@@ -15,7 +15,7 @@ import torch
 from helpers import catch, clone_model, flat_params, make_cut_model, make_model, transport
 from test_step_failure import FailingSGD
 
-import oss_plus.inflight
+import oss_plus.wire.inflight
 from oss_plus import OSS
 
 TIMEOUT = 60
@@ -25,18 +25,18 @@ TIMEOUT = 60
 def waits_logged():
     """Record every transfer that ``Pending.wait`` really waited for (the first call)."""
     seen: list[int] = []
-    original = oss_plus.inflight.Pending.wait
+    original = oss_plus.wire.inflight.Pending.wait
 
     def logged(self):
         if self.finish is not None:
             seen.append(id(self))
         return original(self)
 
-    oss_plus.inflight.Pending.wait = logged
+    oss_plus.wire.inflight.Pending.wait = logged
     try:
         yield seen
     finally:
-        oss_plus.inflight.Pending.wait = original
+        oss_plus.wire.inflight.Pending.wait = original
 
 
 def loss(model, step, rank=0):

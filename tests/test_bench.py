@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from oss_plus._launch import visible_gpus
 from oss_plus.bench import (
     async_ckpt,
     checkpoint_bench,
@@ -26,6 +25,7 @@ from oss_plus.bench import (
 from oss_plus.bench.impls import IMPLS, Impl
 from oss_plus.bench.step_bench import BenchConfig, run
 from oss_plus.cli import build_parser, main
+from oss_plus.runtime.launch import visible_gpus
 
 TINY = [
     "bench",

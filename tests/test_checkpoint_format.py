@@ -11,8 +11,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from oss_plus._dist import message_plan
-from oss_plus._nested import flatten_value
 from oss_plus.checkpoint import storage
 from oss_plus.checkpoint.format import (
     Index,
@@ -26,6 +24,8 @@ from oss_plus.checkpoint.format import (
 from oss_plus.checkpoint.plan import split_state
 from oss_plus.checkpoint.validate import check_fits
 from oss_plus.checkpoint.values import decode_value, dtype_name, encode_value, torch_dtype
+from oss_plus.runtime.dist import message_plan
+from oss_plus.state.nested import flatten_value
 
 VALUES = [
     None,

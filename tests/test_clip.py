@@ -17,7 +17,7 @@ from helpers import (
 )
 
 from oss_plus import OSS
-from oss_plus.clip import BAD_MAX_NORM, BAD_NORM_TYPE, NONFINITE, local_partial, result_device
+from oss_plus.amp.clip import BAD_MAX_NORM, BAD_NORM_TYPE, NONFINITE, local_partial, result_device
 
 INF = math.inf
 NORM_TYPES = [1.0, 2.0, 3.0, 0.5, INF]

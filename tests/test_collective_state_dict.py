@@ -12,10 +12,11 @@ import pytest
 import torch
 from helpers import catch, make_model, train
 
-from oss_plus import OSS, _arrival
+from oss_plus import OSS
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
-from oss_plus.state_dict import STATE_DICT_HINT
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.state.api import STATE_DICT_HINT
 
 KINDS = ["oss", "fairscale", "torch"]
 #: The same, for the tests that compare with the unsharded Adam bit for bit: the fairscale

@@ -303,7 +303,7 @@ def test_different_models_raise_on_every_rank(pool):
 
 
 def scaler_task(ctx):
-    from oss_plus.amp import ShardedGradScaler
+    from oss_plus.amp.scaler import ShardedGradScaler
 
     model = make_model()
     opt = OSS(model.parameters(), group=ctx.group, lr=0.1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import run_python
 
-from oss_plus._launch import free_port
+from oss_plus.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,9 +188,9 @@ def test_torch_install_makes_torchs_name_resolve_to_the_adapter_until_uninstall(
 def test_install_registers_the_exit_handler_at_once():
     """A process that installs the adapter may train with torch's collectives only (no
     ``OSS``, so no oss_plus collective ever registers the handler): ``install()`` does
-    (``oss_plus._exit``; issue 36)."""
+    (``oss_plus.runtime.exit``; issue 36)."""
     code = (
-        "import oss_plus._exit as e, oss_plus.compat.fairscale as f\n"
+        "import oss_plus.runtime.exit as e, oss_plus.compat.fairscale as f\n"
         "assert not e._registered\n"
         "f.install()\n"
         "assert e._registered\n"

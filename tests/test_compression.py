@@ -14,7 +14,7 @@ from helpers import (
 )
 
 from oss_plus import OSS
-from oss_plus.sync import bucket_numel, wire_dtype_for
+from oss_plus.wire.sync import bucket_numel, wire_dtype_for
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

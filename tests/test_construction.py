@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from oss_plus import OSS
-from oss_plus._dist import PEER_FAILED
-from oss_plus._params import (
+from oss_plus.compat.fairscale import OSS as FairscaleOSS
+from oss_plus.compat.torch import ZeroRedundancyOptimizer
+from oss_plus.runtime.dist import PEER_FAILED
+from oss_plus.step.params import (
     FIXED_KEYWORD,
     NOT_PER_PARAM,
     UNKNOWN_KEYWORD,
     split_defaults,
 )
-from oss_plus.compat.fairscale import OSS as FairscaleOSS
-from oss_plus.compat.torch import ZeroRedundancyOptimizer
 
 #: Every optimizer class torch.optim exports.
 TORCH_OPTIMIZERS = sorted(

@@ -20,10 +20,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from oss_plus import OSS, ShardedDataParallel, _arrival
+from oss_plus import OSS, ShardedDataParallel
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
-from oss_plus.sharded_tensor import range_blocks
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.state.sharded_tensor import range_blocks
 
 RULES = ["fairscale", "torch", "flat"]
 SAVED, MORE = 3, 2
@@ -295,7 +296,7 @@ def test_range_blocks_cover_the_range_in_order(shape):
 
 
 def test_range_blocks_keeps_its_public_path_in_dcp():
-    from oss_plus import dcp
+    from oss_plus.state import dcp
 
     assert dcp.range_blocks is range_blocks and "range_blocks" in dcp.__all__
 

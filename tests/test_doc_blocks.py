@@ -30,7 +30,7 @@ import torch.distributed as dist
 from helpers import flat_params, state_equal
 from test_examples import python_blocks
 
-from oss_plus._launch import _drain
+from oss_plus.runtime.launch import _drain
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -359,7 +359,7 @@ def device_rule(page: str) -> str:
 def test_doc_pages_choose_the_device_like_the_examples(page, monkeypatch):
     """The rule users copy from the page gives :func:`choose_device`'s answer for every device
     count (simulated), and every page shows the same rule."""
-    from oss_plus._launch import choose_device
+    from oss_plus.runtime.launch import choose_device
 
     rule = device_rule(page)
     assert rule == device_rule(DEVICE_RULE_PAGES[0])

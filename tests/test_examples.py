@@ -1,7 +1,7 @@
 """Run every example under torchrun on 2 local ranks, and the demo CLI, for a few steps.
 
 The examples and the demo choose their device as users' scripts do
-(:func:`oss_plus._launch.choose_device`): a GPU per local rank under NCCL, else gloo on the
+(:func:`oss_plus.runtime.launch.choose_device`): a GPU per local rank under NCCL, else gloo on the
 CPU. The tests run them on the machine's own GPUs, so the expected fallback line comes from
 the device count in use; the choice itself is tested below with simulated device counts.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import run_python
 
-from oss_plus._launch import DeviceChoice, choose_device, visible_gpus
+from oss_plus.runtime.launch import DeviceChoice, choose_device, visible_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -84,9 +84,9 @@ def test_the_choice_reads_the_visible_devices(monkeypatch, available, count):
 #: A sitecustomize that makes the device choice of every interpreter torchrun starts see one
 #: GPU (torch itself still sees none: its optimizers check CUDA graphs when CUDA is available).
 ONE_FAKE_GPU = """\
-import oss_plus._launch
+import oss_plus.runtime.launch
 
-oss_plus._launch.visible_gpus = lambda: 1
+oss_plus.runtime.launch.visible_gpus = lambda: 1
 """
 
 

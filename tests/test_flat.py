@@ -23,7 +23,7 @@ from helpers import (
 
 import oss_plus
 from oss_plus import OSS
-from oss_plus.changes import WINDOWS
+from oss_plus.step.changes import WINDOWS
 
 #: Every class the flat rule accepts out of the box, with stateful settings.
 ELEMENTWISE = {
@@ -332,7 +332,7 @@ def refuse_task(ctx, declare):
     except ValueError as exc:
         return str(exc)
     finally:
-        oss_plus.pieces.ELEMENTWISE.discard(Lamb)
+        oss_plus.step.pieces.ELEMENTWISE.discard(Lamb)
     return "accepted"
 
 
@@ -344,8 +344,8 @@ def test_a_non_elementwise_optimizer_is_refused_on_every_rank(pool, world):
 
 
 def test_flat_needs_the_owner_buckets_layout():
-    from oss_plus._params import check_options
-    from oss_plus.policy import ShardPolicy
+    from oss_plus.planning.policy import ShardPolicy
+    from oss_plus.step.params import check_options
 
     with pytest.raises(ValueError, match="owner_buckets"):
         check_options(torch.optim.SGD, None, ShardPolicy("flat", layout="per_param"), None)

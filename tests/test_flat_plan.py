@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from oss_plus.partition import ParamSpec, Piece, Rule, cut_flat, flat_offsets
-from oss_plus.plan import ShardPlan, make_plan
-from oss_plus.policy import ShardPolicy
+from oss_plus.planning.partition import ParamSpec, Piece, Rule, cut_flat, flat_offsets
+from oss_plus.planning.plan import ShardPlan, make_plan
+from oss_plus.planning.policy import ShardPolicy
 
 FLAT = ShardPolicy(rule="flat")
 
@@ -105,7 +105,7 @@ def test_inconsistent_pieces_are_refused() -> None:
 
 
 def test_assign_owners_refuses_the_flat_rule() -> None:
-    from oss_plus.partition import assign_owners
+    from oss_plus.planning.partition import assign_owners
 
     with pytest.raises(ValueError, match="cut_flat"):
         assign_owners([[ParamSpec(3)]], 2, Rule.FLAT)

@@ -4,7 +4,7 @@ Two ways to put several ranks' collectives on one device:
 
 * the pool's gloo groups (2-4 ranks) over CUDA tensors, every rank on ``cuda:0`` (gloo moves
   CUDA tensors through host memory);
-* NCCL at world size 1: a fresh process from :func:`oss_plus._launch.run_local` (NCCL
+* NCCL at world size 1: a fresh process from :func:`oss_plus.runtime.launch.run_local` (NCCL
   refuses two ranks on one GPU).
 
 Every task compares with an independent reference on the same device: the unsharded
@@ -42,10 +42,11 @@ from helpers import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from oss_plus import OSS, ShardedDataParallel, ShardedGradScaler, _dist
+from oss_plus import OSS, ShardedDataParallel, ShardedGradScaler
 from oss_plus.bench.measure import count_syncs
 from oss_plus.checkpoint import load_checkpoint, save_checkpoint
 from oss_plus.overlap import overlap_with_ddp
+from oss_plus.runtime import dist as _dist
 
 CUDA = "cuda:0"
 WIRES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -394,14 +395,14 @@ def strict(ctx: Any, name: str, *args: Any) -> Any:
 
 
 def nccl_rank(rank: int, world: int, name: str, *args: Any) -> Any:
-    """Entry of :func:`oss_plus._launch.run_local` with ``backend="nccl"``: the task ``name``
+    """Entry of :func:`oss_plus.runtime.launch.run_local` with ``backend="nccl"``: the task ``name``
     over WORLD on ``cuda:<rank>``."""
     ctx = SimpleNamespace(group=dist.group.WORLD, rank=rank, world_size=world)
     return strict(ctx, name, f"cuda:{rank}", *args)
 
 
 def run_nccl(name: str, *args: Any) -> Any:
-    from oss_plus._launch import run_local
+    from oss_plus.runtime.launch import run_local
 
     return run_local(nccl_rank, 1, name, *args, backend="nccl", threads=1)[0]
 

@@ -1,4 +1,4 @@
-"""``oss_plus._launch.run_local``: the fresh local ranks of the benches and the demo."""
+"""``oss_plus.runtime.launch.run_local``: the fresh local ranks of the benches and the demo."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import torch.distributed as dist
 
-from oss_plus import _launch
+from oss_plus.runtime import launch as _launch
 
 
 def _who(rank, world):

@@ -77,8 +77,8 @@ def assert_every_run_exits_0(script: str, runs: int) -> None:
 def test_exiting_right_after_torchs_own_collectives_exits_0(monkeypatch):
     """oss_plus used, then the script's own ``dist.all_gather`` calls last (fairscale's test
     suites end so) and exit: oss_plus cannot wait for those, its exit handler
-    (``oss_plus._exit``) lets gloo's workers drop them before the interpreter finalizes. A 1 s
-    switch interval keeps the GIL from the worker until then: without the handler 6 of 10
+    (``oss_plus.runtime.exit``) lets gloo's workers drop them before the interpreter finalizes.
+    A 1 s switch interval keeps the GIL from the worker until then: without the handler 6 of 10
     such runs aborted (``tests/lifecycle.py --torch-last``, 0 of 10 with it), so 8 runs
     that all pass miss a missing handler with probability about 1 in 100."""
     monkeypatch.setenv("LIFECYCLE_SWITCH_S", "1.0")

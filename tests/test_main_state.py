@@ -16,11 +16,11 @@ from helpers import backward, clone_model, make_model
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
-from oss_plus._params import param_specs
 from oss_plus.checkpoint import read_state_dict
-from oss_plus.main_copy import MAIN_KEY
-from oss_plus.partition import Rule
-from oss_plus.plan import make_plan
+from oss_plus.planning.partition import Rule
+from oss_plus.planning.plan import make_plan
+from oss_plus.step.params import param_specs
+from oss_plus.wire.main.region import MAIN_KEY
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LR = 1e-3
@@ -84,7 +84,7 @@ def save_task(ctx, root, wire, rule):
     save_checkpoint(opt, f"{root}/sharded")
     save_checkpoint(opt, f"{root}/consolidated", sharded=False)
     future = save_checkpoint(opt, f"{root}/async", blocking=False)
-    model_sd, optim_sd = get_state_dict(model, opt)  # torch's DCP flow (oss_plus.dcp)
+    model_sd, optim_sd = get_state_dict(model, opt)  # torch's DCP flow (oss_plus.state.dcp)
     dcp.save(
         {"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/dcp", process_group=ctx.group
     )

@@ -14,7 +14,7 @@ import torch
 from helpers import backward, clone_model, make_model
 
 from oss_plus import OSS
-from oss_plus.main_copies import MainCopies
+from oss_plus.wire.main.copies import MainCopies
 
 WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LR = 1e-3

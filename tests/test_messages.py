@@ -15,7 +15,6 @@ from helpers import catch, ddp_of, logged, make_model, make_overlap_model, overl
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
-from oss_plus._dist import PEER_FAILED
 from oss_plus.checkpoint.assemble import OTHER_SAVE
 from oss_plus.checkpoint.cli import NO_STATE_DICT
 from oss_plus.cli import main
@@ -25,7 +24,8 @@ from oss_plus.compat.torch import (
     ZeroRedundancyOptimizer,
     hook_with_zero_step,
 )
-from oss_plus.plan import PLAN_MISMATCH, ParamSpec, make_plan
+from oss_plus.planning.plan import PLAN_MISMATCH, ParamSpec, make_plan
+from oss_plus.runtime.dist import PEER_FAILED
 
 
 def _oss(ctx, lr=0.01):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oss_plus._launch import free_port
+from oss_plus.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "hybrid_train.py")

@@ -18,7 +18,9 @@ import torch.distributed as dist
 from helpers import ShampooLike, backward, make_model
 
 from oss_plus import OSS
-from oss_plus._nested import (
+from oss_plus.compat.fairscale import OSS as FairscaleOSS
+from oss_plus.compat.torch import ZeroRedundancyOptimizer
+from oss_plus.state.nested import (
     flatten_state,
     flatten_value,
     map_tensors,
@@ -26,8 +28,6 @@ from oss_plus._nested import (
     unflatten_state,
     unflatten_value,
 )
-from oss_plus.compat.fairscale import OSS as FairscaleOSS
-from oss_plus.compat.torch import ZeroRedundancyOptimizer
 
 # ------------------------------------------------------------------ pure flattening
 NESTED = {

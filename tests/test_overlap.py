@@ -483,7 +483,7 @@ def nccl_rank(rank: int, world: int) -> list[bool]:
 def test_nccl_both_schedules():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from oss_plus._launch import run_local
+    from oss_plus.runtime.launch import run_local
 
     for result in run_local(nccl_rank, 2, backend="nccl", threads=1):
         assert result == [True] * 24

@@ -10,9 +10,9 @@ from helpers import make_model, train
 from safetensors.torch import _find_shared_tensors, load_file, load_model, save_file, save_model
 
 from oss_plus import OSS
-from oss_plus._layout import own_storage
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
+from oss_plus.wire.layout import own_storage
 
 #: The fairscale adapter keeps fairscale's unpadded buckets: bit-identical to the unsharded
 #: model only with reproducible BLAS (conftest.py, docs/portability.md).

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from oss_plus._params import (
+from oss_plus.step.params import (
     check_optim_class,
     describe_params,
     fingerprint,

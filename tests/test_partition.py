@@ -2,7 +2,7 @@
 
 import pytest
 
-from oss_plus.partition import ParamSpec, Rule, assign_owners, rank_loads
+from oss_plus.planning.partition import ParamSpec, Rule, assign_owners, rank_loads
 
 
 def specs(*sizes, frozen=()):

@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
-from oss_plus import plan as plan_module
-from oss_plus.partition import ParamSpec, Rule, assign_owners
-from oss_plus.plan import ShardPlan, make_plan, plan_from_owners
-from oss_plus.policy import BAD_POLICY, Layout, LocalOrder, ShardPolicy
+from oss_plus.planning import plan as plan_module
+from oss_plus.planning.partition import ParamSpec, Rule, assign_owners
+from oss_plus.planning.plan import ShardPlan, make_plan, plan_from_owners
+from oss_plus.planning.policy import BAD_POLICY, Layout, LocalOrder, ShardPolicy
 
 
 def specs(*sizes, frozen=()):
@@ -91,8 +91,8 @@ def test_policy_is_validated_and_coerced():
 
 
 def test_the_policy_keeps_its_public_path_in_plan():
-    """``oss_plus.plan.ShardPolicy`` (the documented path, the adapters' and users' import)
-    is the class :mod:`oss_plus.policy` defines, not a copy."""
+    """``oss_plus.planning.plan.ShardPolicy`` (the documented path, the adapters' and users' import)
+    is the class :mod:`oss_plus.planning.policy` defines, not a copy."""
     for name in ("ShardPolicy", "LocalOrder", "Layout"):
         assert name in plan_module.__all__
     assert plan_module.ShardPolicy is ShardPolicy

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from oss_plus import plan_report
 from oss_plus.cli import main
-from oss_plus.partition import ParamSpec
-from oss_plus.plan_report import (
+from oss_plus.planning import report as plan_report
+from oss_plus.planning.partition import ParamSpec
+from oss_plus.planning.report import (
     FLAT_ALIGN,
     BalanceRow,
     balance_rows,
@@ -242,7 +242,7 @@ def test_module_loader_builds_on_meta_counts_tied_once_and_reads_requires_grad()
 
 def test_module_loader_falls_back_to_a_real_build(caplog):
     BUILT_ON.clear()
-    with caplog.at_level(logging.WARNING, logger="oss_plus.model_specs"):
+    with caplog.at_level(logging.WARNING, logger="oss_plus.planning.model_specs"):
         specs = specs_from_module("test_plan_report:needs_real_values")
     assert [d.type for d in BUILT_ON] == ["meta", "cpu"]
     assert [s.numel for s in specs] == [4, 2] and "meta device" in caplog.text

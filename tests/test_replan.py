@@ -1,12 +1,12 @@
 """A ``requires_grad`` change detected at ``step()`` (issues 27 and 29).
 
 The rank whose trainability changed does not repartition alone: it runs the same sync as
-every rank with the status :data:`~oss_plus.status.REPLAN` and, on this rare path only,
+every rank with the status :data:`~oss_plus.wire.status.REPLAN` and, on this rare path only,
 reads every rank's status at once. Every rank changed: they repartition together and step.
 Some ranks only: nothing hangs; every rank raises
-:data:`~oss_plus.status.TRAINABILITY_DIFFERS` at the same later call (the check after the
+:data:`~oss_plus.wire.status.TRAINABILITY_DIFFERS` at the same later call (the check after the
 step that saw it: an unfreeze at the next step, a freeze within
-:data:`~oss_plus.changes.WINDOWS` steps). Before issue 29, the
+:data:`~oss_plus.step.changes.WINDOWS` steps). Before issue 29, the
 changed ranks entered the repartition's agreement while the others waited in the sync: a
 hang until the timeout (the short task timeout makes that fail fast).
 """
@@ -20,9 +20,9 @@ import torch
 from helpers import backward, catch, flat_params, make_cut_model, make_model
 
 from oss_plus import OSS
-from oss_plus._params import PLANS_DIFFER
-from oss_plus.changes import WINDOWS
-from oss_plus.status import replan_message
+from oss_plus.step.changes import WINDOWS
+from oss_plus.step.params import PLANS_DIFFER
+from oss_plus.wire.status import replan_message
 
 #: Seconds a task may take: a hang fails the test fast.
 TIMEOUT = 30

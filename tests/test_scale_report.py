@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS, ShardedDataParallel
 from oss_plus.cli import main
-from oss_plus.model_specs import model_specs
-from oss_plus.scale_report import Topology, scale_rows
+from oss_plus.planning.model_specs import model_specs
+from oss_plus.planning.scale import Topology, scale_rows
 
 P7B = 6_738_415_616
 

@@ -23,7 +23,7 @@ from sdp_utils import Net, batch, flat, max_diff
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS, ShardedDataParallel, ShardedGradScaler
-from oss_plus.amp import PIECES_NOT_UNSCALED, SCALES_WOULD_DIFFER
+from oss_plus.amp.scaler import PIECES_NOT_UNSCALED, SCALES_WOULD_DIFFER
 
 #: Rank 0's loss times inf (every reduced gradient turns non-finite), then an inf in the
 #: gradient of one param on rank 0 only (it reaches that param's owner only).

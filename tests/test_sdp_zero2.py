@@ -13,7 +13,7 @@ from sdp_utils import Net, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS, ShardedDataParallel
-from oss_plus.amp import PIECES_NOT_UNSCALED
+from oss_plus.amp.scaler import PIECES_NOT_UNSCALED
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD
 
 #: Collectives whose elements are counted, and the share of them each rank sends under the

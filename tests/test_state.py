@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oss_plus.state import (
+from oss_plus.state.index import (
     PER_ELEMENT_KEYS,
     group_offsets,
     local_view,

@@ -20,12 +20,12 @@ from helpers import WORLD_IDS, WORLDS, backward, catch, make_model, params_equal
 from torch.profiler import ProfilerActivity, profile
 
 from oss_plus import OSS
-from oss_plus._params import BAD_AUTO_REFRESH
 from oss_plus.bench.measure import host_reads
-from oss_plus.changes import WINDOWS
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
-from oss_plus.policy import ShardPolicy
-from oss_plus.sync import any_set
+from oss_plus.planning.policy import ShardPolicy
+from oss_plus.step.changes import WINDOWS
+from oss_plus.step.params import BAD_AUTO_REFRESH
+from oss_plus.wire.sync import any_set
 
 
 def test_the_counter_sees_reads_and_any_set_reads_once():

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from helpers import WORLD_IDS, WORLDS, backward, catch, flat_params, make_cut_model, make_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import oss_plus._dist
+import oss_plus.runtime.dist
 from oss_plus import OSS
-from oss_plus.sync import TRANSPORT_ENV
+from oss_plus.wire.sync import TRANSPORT_ENV
 
 #: Seconds a task may take: a hang fails the test fast.
 TIMEOUT = 20
@@ -211,10 +211,14 @@ def test_a_rank_that_owns_nothing_still_reports_its_failure(pool):
 def collectives_task(ctx, n_params, rule="fairscale"):
     """The collectives of 3 good steps: their kinds, how often ``agree`` ran, the buckets,
     the params cut across ranks, and the params against 3 plain SGD updates."""
-    from oss_plus import status
+    from oss_plus.wire import status
 
     calls, seen = [], []
-    original, broadcast, gather = oss_plus._dist.agree, dist.broadcast, status._all_gather_single
+    original, broadcast, gather = (
+        oss_plus.runtime.dist.agree,
+        dist.broadcast,
+        status._all_gather_single,
+    )
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -235,14 +239,14 @@ def collectives_task(ctx, n_params, rule="fairscale"):
     rule = "flat" if rule == "flat_wide" else rule
     opt = OSS(params, optim=torch.optim.SGD, group=ctx.group, lr=0.1, partition_rule=rule)
     patched = (counting, counting_broadcast, counting_gather)
-    oss_plus._dist.agree, dist.broadcast, status._all_gather_single = patched
+    oss_plus.runtime.dist.agree, dist.broadcast, status._all_gather_single = patched
     try:
         for _ in range(3):
             for p in params:
                 p.grad = torch.ones_like(p)
             opt.step()
     finally:
-        oss_plus._dist.agree, dist.broadcast, status._all_gather_single = (
+        oss_plus.runtime.dist.agree, dist.broadcast, status._all_gather_single = (
             original,
             broadcast,
             gather,

@@ -16,16 +16,17 @@ from helpers import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-from oss_plus import OSS, sync
-from oss_plus._layout import owner_buckets
-from oss_plus.sync import (
+from oss_plus import OSS
+from oss_plus.wire import sync
+from oss_plus.wire.layout import owner_buckets
+from oss_plus.wire.sync import (
     BAD_TRANSPORT,
     TRANSPORT_ENV,
     BucketSync,
     Transport,
     bucket_numel,
 )
-from oss_plus.transport import requested
+from oss_plus.wire.transport import requested
 
 WIRES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -23,33 +23,35 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus import _arrival, _exit, _norms
+from oss_plus.amp import norms as _norms
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime import exit as _exit
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "portability.md"
 #: Each private API -> the module of oss_plus that uses it.
 PRIVATE = {
-    "Tensor._use_count": "oss_plus/_dist.py",
+    "Tensor._use_count": "oss_plus/runtime/dist.py",
     "torch._C._nn.unflatten_dense_tensors": "oss_plus/data_parallel/buckets.py",
     "Variable._execution_engine.queue_callback": "oss_plus/data_parallel/reducer.py",
-    "distributed_c10d._get_default_store": "oss_plus/_arrival.py",
-    "torch._foreach_norm": "oss_plus/_norms.py",
-    "torch._foreach_mul_": "oss_plus/_norms.py",
+    "distributed_c10d._get_default_store": "oss_plus/runtime/arrival.py",
+    "torch._foreach_norm": "oss_plus/amp/norms.py",
+    "torch._foreach_mul_": "oss_plus/amp/norms.py",
     "torch._foreach_copy_": "oss_plus/data_parallel/reducer.py",
-    "torch._amp_foreach_non_finite_check_and_unscale_": "oss_plus/amp.py",
-    "Optimizer._step_supports_amp_scaling": "oss_plus/amp.py",
-    "GradScaler._unscale_grads_": "oss_plus/amp.py",
-    "GradScaler._per_optimizer_states": "oss_plus/amp.py",
-    "Optimizer._optimizer_state_dict_pre_hooks": "oss_plus/state_dict.py",
+    "torch._amp_foreach_non_finite_check_and_unscale_": "oss_plus/amp/scaler.py",
+    "Optimizer._step_supports_amp_scaling": "oss_plus/amp/scaler.py",
+    "GradScaler._unscale_grads_": "oss_plus/amp/scaler.py",
+    "GradScaler._per_optimizer_states": "oss_plus/amp/scaler.py",
+    "Optimizer._optimizer_state_dict_pre_hooks": "oss_plus/state/api.py",
     "DistributedDataParallel._has_rebuilt_buckets": "oss_plus/compat/ddp_zero_hook.py",
     "Module._parameters": "oss_plus/data_parallel/wiring.py",
-    "torch.autograd._profiler_enabled": "oss_plus/_trace.py",
-    "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/changes.py",
+    "torch.autograd._profiler_enabled": "oss_plus/runtime/trace.py",
+    "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/step/changes.py",
     "torch._disable_dynamo": "oss_plus/data_parallel/sharded_ddp.py",
-    "ProcessGroupGloo.pt_gloo_runloop": "oss_plus/_exit.py",
-    "state_dict._init_optim_state": "oss_plus/torch_callers.py",
-    "state_dict._get_optim_state_dict": "oss_plus/torch_callers.py",
-    "state_dict._load_optim_state_dict": "oss_plus/torch_callers.py",
-    "ShardedTensor._init_from_local_shards_and_global_metadata": "oss_plus/sharded_tensor.py",
+    "ProcessGroupGloo.pt_gloo_runloop": "oss_plus/runtime/exit.py",
+    "state_dict._init_optim_state": "oss_plus/state/torch_callers.py",
+    "state_dict._get_optim_state_dict": "oss_plus/state/torch_callers.py",
+    "state_dict._load_optim_state_dict": "oss_plus/state/torch_callers.py",
+    "ShardedTensor._init_from_local_shards_and_global_metadata": "oss_plus/state/sharded_tensor.py",
 }
 #: Read with ``getattr`` and a fallback where a build lacks them (CPU builds lack this one).
 OPTIONAL = {"torch._C._tensors_data_ptrs_at_indices_equal"}
@@ -245,7 +247,7 @@ def test_the_declared_floor_is_the_torch_that_tox_tests():
 def test_own_storage_keeps_the_views_strides():
     """``_layout.own_storage`` re-wraps bucket views through DLPack, whose import in torch 2.6
     normalizes the strides of size-1 dims: the param must keep the unsharded layout."""
-    from oss_plus._layout import own_storage
+    from oss_plus.wire.layout import own_storage
 
     buffer = torch.arange(32.0)
     for view in (buffer[16:28].view(1, 12), buffer[4:16].view(12, 1), buffer[:6].view(2, 1, 3)):
@@ -267,7 +269,7 @@ def test_the_profiler_flag_is_set_only_while_a_profiler_records():
 
 @pytest.mark.parametrize("loop", ["torch", "fallback"])
 def test_the_address_check_sees_a_replaced_data_with_either_loop(monkeypatch, loop):
-    from oss_plus import changes
+    from oss_plus.step import changes
 
     if loop == "torch" and changes._ptrs_equal is None:
         pytest.skip("this torch build has no _tensors_data_ptrs_at_indices_equal")
@@ -311,8 +313,8 @@ def test_disable_dynamo_skips_the_frame_and_with_recursive_false_only_that_frame
 
 
 def test_dcp_callers_are_the_functions_oss_plus_recognises():
-    """oss_plus.torch_callers recognises torch's DCP functions by their code objects and reads the
-    ``info`` local of the get/load ones: both must still be there, in that shape."""
+    """oss_plus.state.torch_callers recognises torch's DCP functions by their code objects and
+    reads the ``info`` local of the get/load ones: both must still be there, in that shape."""
     for name in ("_get_optim_state_dict", "_load_optim_state_dict"):
         fn = getattr(torch_state_dict, name)
         code = getattr(fn, "__wrapped__", fn).__code__
@@ -344,7 +346,7 @@ def torch_library_names_gloo_workers() -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
 def test_gloo_worker_threads_carry_the_name_the_exit_handler_waits_for(pool):
-    """``oss_plus._exit`` waits at exit while threads named so are runnable. Where this
+    """``oss_plus.runtime.exit`` waits at exit while threads named so are runnable. Where this
     torch names them (its library has the string), they must be found; where it does not,
     none is counted and only the fixed pause applies (docs/portability.md)."""
     named = torch_library_names_gloo_workers()
@@ -369,7 +371,7 @@ class _Recording(torch.optim.Optimizer):
 
 @pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale-step"])
 def test_grad_scaler_hands_its_scale_over(unscale):
-    """oss_plus.amp.ScalerContract relies on it: with ``_step_supports_amp_scaling``,
+    """oss_plus.amp.scaler.ScalerContract relies on it: with ``_step_supports_amp_scaling``,
     ``GradScaler.step`` calls ``step()`` with ``grad_scale`` (the scale; None after
     ``unscale_``) and ``found_inf`` set, leaves the gradients scaled unless ``unscale_`` ran,
     records the found flag for ``update()`` and removes both attributes after the step."""

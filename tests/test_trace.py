@@ -1,5 +1,5 @@
 """The hot paths' profiler labels: present while a profiler records, free otherwise
-(:mod:`oss_plus._trace`)."""
+(:mod:`oss_plus.runtime.trace`)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_labels_are_recorded_under_a_profiler_and_cost_nothing_without(pool):
 
 @pytest.mark.parametrize("recording", [False, True])
 def test_label_opens_a_range_only_while_a_profiler_records(monkeypatch, recording):
-    from oss_plus import _trace
+    from oss_plus.runtime import trace as _trace
 
     opened = []
     monkeypatch.setattr(torch.profiler, "record_function", lambda name: opened.append(name))

@@ -5,7 +5,7 @@ compared with closed-form arithmetic from the params' sizes and owners: per key,
 per-owner broadcasts carry every owner's aligned params plus one status slot; an
 ``all_gather`` carries ``W`` regions of the largest share plus its slot, rounded up to the
 alignment. On gloo ``auto`` broadcasts; NCCL's rule is run on gloo by declaring gloo one of
-:data:`oss_plus.transport.GATHER_BACKENDS` inside the worker.
+:data:`oss_plus.wire.transport.GATHER_BACKENDS` inside the worker.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from helpers import wire_traffic
 
 from oss_plus import OSS
-from oss_plus import transport as transport_module
-from oss_plus.transport import auto_gathers, owner_key_elements
+from oss_plus.wire import transport as transport_module
+from oss_plus.wire.transport import auto_gathers, owner_key_elements
 
 #: fp64: four equal tensors (fairscale's rule, given first: an equal share on 2 and 4 ranks);
 #: fp32: one tensor dominates (an embedding).

@@ -35,10 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from oss_plus import OSS, _dist, load_checkpoint, save_checkpoint
-from oss_plus._launch import run_local
+from oss_plus import OSS, load_checkpoint, save_checkpoint
 from oss_plus.bench.measure import PeakRSS, rss
 from oss_plus.checkpoint import staging_nbytes
+from oss_plus.runtime import dist as _dist
+from oss_plus.runtime.launch import run_local
 
 __all__ = ["main", "run"]
 

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._launch import run_local
 from oss_plus.bench import dcp_ckpt
 from oss_plus.bench.checkpoint_impls import (
     IMPLEMENTATIONS,
@@ -50,6 +49,7 @@ from oss_plus.bench.checkpoint_impls import (
     save,
 )
 from oss_plus.bench.measure import PeakRSS, rss
+from oss_plus.runtime.launch import run_local
 
 #: Each oss_plus layout and the disk floor it is compared with.
 FLOORS = {

@@ -42,10 +42,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus import OSS
-from oss_plus._launch import pick_backend, run_local, threads_per_rank
 from oss_plus.bench.impls import OPTIMIZERS, check_common, linear_layers
 from oss_plus.bench.measure import device, timed
 from oss_plus.overlap import overlap_with_ddp
+from oss_plus.runtime.launch import pick_backend, run_local, threads_per_rank
 
 #: Rows, in table order: (label, needs).
 ROWS: dict[str, tuple[str, str | None]] = {

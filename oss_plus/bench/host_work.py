@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._launch import run_local
 from oss_plus.bench.zero2 import _model, _wrap
+from oss_plus.runtime.launch import run_local
 
 CONFIGS = (
     "ddp_oss",

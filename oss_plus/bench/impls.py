@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from oss_plus import OSS
 from oss_plus.demo import state_bytes
-from oss_plus.partition import ParamSpec, Rule, assign_owners
-from oss_plus.pieces import elementwise
-from oss_plus.sync import transport_override
+from oss_plus.planning.partition import ParamSpec, Rule, assign_owners
+from oss_plus.step.pieces import elementwise
+from oss_plus.wire.sync import transport_override
 
 
 @elementwise  # it touches no element, so the flat rule may cut its params

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus import _dist
+from oss_plus.runtime import dist as _dist
 
 
 def device(requested: str = "auto") -> torch.device:

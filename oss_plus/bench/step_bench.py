@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from oss_plus._launch import pick_backend, run_local, threads_per_rank
 from oss_plus.bench.impls import IMPLS, OPT_IN, check_common, linear_layers
 from oss_plus.bench.step_ranks import memory_rank, profile_rank, timing_rank
+from oss_plus.runtime.launch import pick_backend, run_local, threads_per_rank
 
 #: Rows of the size / world-size sweeps (when available).
 SWEEP_IMPLS = ("oss_plus", "fairscale", "torch_zero_bv", "floor")

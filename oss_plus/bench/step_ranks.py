@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from oss_plus import _dist
 from oss_plus.bench.impls import IMPLS, Runner
 from oss_plus.bench.measure import (
     comm_device,
@@ -27,6 +26,7 @@ from oss_plus.bench.measure import (
     synchronize,
     timed,
 )
+from oss_plus.runtime import dist as _dist
 
 if TYPE_CHECKING:
     from oss_plus.bench.step_bench import BenchConfig

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._launch import pick_backend, run_local
+from oss_plus.runtime.launch import pick_backend, run_local
 
 CONFIGS = (
     "oss_plus_sdp",

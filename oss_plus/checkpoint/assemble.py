@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from oss_plus._nested import unflatten_value
 from oss_plus.checkpoint.format import (
     INDEX_FILE,
     SAVE_ID_KEY,
@@ -31,6 +30,7 @@ from oss_plus.checkpoint.format import (
 from oss_plus.checkpoint.plan import nbytes_of
 from oss_plus.checkpoint.storage import crc32_of
 from oss_plus.checkpoint.values import dtype_name
+from oss_plus.state.nested import unflatten_value
 
 __all__ = ["OTHER_SAVE", "PARTIAL_READ_BYTES", "read_states"]
 

@@ -2,7 +2,7 @@
 
 Metadata travels as UTF-8 JSON in uint8 tensors (:func:`gather_json`). In the consolidated
 layout each sender's state tensors form one stream, in file order. Both ends cut it into the
-same messages (:func:`oss_plus._dist.message_plan`): tensors smaller than
+same messages (:func:`oss_plus.runtime.dist.message_plan`): tensors smaller than
 :data:`ALONE_BYTES` are packed together up to ``CHUNK_BYTES`` (one copy into a packing
 buffer), larger ones travel alone in chunks of at most ``CHUNK_BYTES`` (views of their
 memory, no copy). So thousands of small params make a few messages. Senders checksum.
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._dist import (
+from oss_plus.checkpoint import storage
+from oss_plus.runtime.dist import (
     Piece,
     await_release,
     comm_device,
@@ -33,7 +34,6 @@ from oss_plus._dist import (
     released,
     use_counts,
 )
-from oss_plus.checkpoint import storage
 
 __all__ = [
     "ALONE_BYTES",

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from oss_plus._nested import tensor_paths, unflatten_value
 from oss_plus.checkpoint.values import decode_value, encode_value, torch_dtype
+from oss_plus.state.nested import tensor_paths, unflatten_value
 
 __all__ = [
     "NestedValue",
@@ -47,7 +47,7 @@ def nested_names(index: int, key: str, skeleton: Any) -> list[str]:
     """Return the file names of the tensors of a container value, in tensor-number order.
 
     Each is ``state.<index>.<key>/<path>`` with the path of
-    :func:`oss_plus._nested.tensor_paths` (dict keys and list positions joined by ``/``).
+    :func:`oss_plus.state.nested.tensor_paths` (dict keys and list positions joined by ``/``).
 
     Example:
         >>> nested_names(3, "pre", {"dict": [["mats", [{"tensor": 0}, {"tensor": 1}]]]})
@@ -97,7 +97,7 @@ class PlainValue:
 class NestedValue:
     """A state value holding tensors inside lists, tuples or dicts (format version 2).
 
-    ``skeleton`` is the value as type-tagged JSON (:func:`oss_plus._nested.flatten_value`)
+    ``skeleton`` is the value as type-tagged JSON (:func:`oss_plus.state.nested.flatten_value`)
     in which ``{"tensor": n}`` stands for ``tensors[n]``. The tensors are live tensors in a
     save's entries before they are written and :class:`TensorRef` after (and in an index).
     """

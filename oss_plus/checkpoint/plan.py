@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from oss_plus._nested import flatten_value
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
     SAVE_ID_KEY,
@@ -40,7 +39,8 @@ from oss_plus.checkpoint.format import (
     tensor_name,
 )
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
-from oss_plus.state import pack_param_groups
+from oss_plus.state.index import pack_param_groups
+from oss_plus.state.nested import flatten_value
 
 __all__ = [
     "NOT_OSS",

@@ -15,13 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from oss_plus import _arrival, _dist
 from oss_plus.checkpoint.assemble import read_states
 from oss_plus.checkpoint.format import INDEX_FILE, Index
 from oss_plus.checkpoint.plan import check_optimizer, local_pieces
 from oss_plus.checkpoint.validate import check_files, check_fits, read_index
-from oss_plus.main_copy import MAIN_KEY
-from oss_plus.state import per_element_keys
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime import dist as _dist
+from oss_plus.state.index import per_element_keys
+from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = ["load_checkpoint", "read_state_dict"]
 

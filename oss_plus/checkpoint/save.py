@@ -4,7 +4,7 @@
 (every rank validates its state, group rank 0 picks the save id and stages the directory:
 the result is a frozen :class:`~oss_plus.checkpoint.plan.SavePlan`), :func:`execute` (write
 this rank's file or stream to rank 0, complete the index, commit) and nothing else. Every
-failure goes through :func:`oss_plus._dist.run_phase`, so it is raised on every rank and
+failure goes through :func:`oss_plus.runtime.dist.run_phase`, so it is raised on every rank and
 the previous checkpoint stays whole.
 """
 
@@ -21,7 +21,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from oss_plus import _arrival, _dist
 from oss_plus.checkpoint import background, comm, storage
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
@@ -45,7 +44,9 @@ from oss_plus.checkpoint.plan import (
     split_state,
     tensor_slots,
 )
-from oss_plus.state import NOT_A_STATE_DICT, pack_param_groups, saved_state_by_flat_index
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime import dist as _dist
+from oss_plus.state.index import NOT_A_STATE_DICT, pack_param_groups, saved_state_by_flat_index
 
 __all__ = ["execute", "make_plan", "save_checkpoint", "write_state_dict"]
 

@@ -19,7 +19,7 @@ import torch
 
 from oss_plus.checkpoint.format import INDEX_FILE, Index, PiecesValue, TensorRef
 from oss_plus.checkpoint.values import dtype_string
-from oss_plus.state import state_shape_error
+from oss_plus.state.index import state_shape_error
 
 __all__ = ["check_files", "check_fits", "read_index"]
 
@@ -82,7 +82,7 @@ def check_fits(
     """Check that the checkpoint ``index`` belongs to params grouped as ``shapes``.
 
     State tensors are checked exactly as an in-memory ``load_state_dict`` checks them
-    (:func:`oss_plus.state.state_shape_error`): only the keys of ``per_element`` must have
+    (:func:`oss_plus.state.index.state_shape_error`): only the keys of ``per_element`` must have
     their param's shape; any other state may legally have any shape.
 
     Args:
@@ -91,7 +91,7 @@ def check_fits(
         dtypes: the dtype of each param, by flat index.
         where: the index path, for messages.
         per_element: the per-element state keys of the loading optimizer
-            (:func:`oss_plus.state.per_element_keys`).
+            (:func:`oss_plus.state.index.per_element_keys`).
 
     Raises:
         ValueError: another number of groups or params, or a param of another shape or dtype.

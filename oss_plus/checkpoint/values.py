@@ -3,7 +3,7 @@
 JSON alone cannot tell a tuple from a list, an int from a float, or store inf/nan, so every
 value that is not None, a bool, an int, a string or a list is wrapped in a one-key object
 naming its type (``{"float": 0.9}``, ``{"tuple": [...]}``). ``docs/checkpoints.md`` lists the
-tags. The encoder and decoder are those of :mod:`oss_plus._nested` (also used for nested
+tags. The encoder and decoder are those of :mod:`oss_plus.state.nested` (also used for nested
 optimizer state); here tensors in param groups are stored inline (``tensor_bytes``).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from oss_plus._nested import decode, encode
+from oss_plus.state.nested import decode, encode
 
 __all__ = [
     "MAX_INLINE_BYTES",
@@ -100,7 +100,7 @@ def encode_value(value: Any, where: str) -> Any:
     """Encode a Python value as type-tagged JSON data (see the spec for the tags).
 
     Tensors are stored inline (:data:`INLINE_TAG`); the tags are those of
-    :func:`oss_plus._nested.encode`.
+    :func:`oss_plus.state.nested.encode`.
 
     Raises:
         TypeError: ``value`` (or something inside it) has a type the format cannot store.

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from oss_plus.optimizer import OSS
-from oss_plus.state import copy_hyper, local_state_dict
+from oss_plus.state.index import copy_hyper, local_state_dict
 
 __all__ = ["CompatOSS"]
 

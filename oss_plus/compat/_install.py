@@ -20,7 +20,7 @@ import ``OSS`` are imported):
 
 :func:`uninstall` reverts either mode.
 
-:func:`install` also registers oss_plus's exit handler (:mod:`oss_plus._exit`) at once,
+:func:`install` also registers oss_plus's exit handler (:mod:`oss_plus.runtime.exit`) at once,
 not at the first oss_plus collective: a process that installs the adapter may train with
 torch's collectives only (the DDP reference run of the same script), and gloo's workers may
 still need the GIL when it exits.
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from oss_plus._exit import drain_at_exit
+from oss_plus.runtime.exit import drain_at_exit
 
 __all__ = ["install", "is_installed", "uninstall"]
 
@@ -100,7 +100,7 @@ class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _replacements() -> dict[str, dict[str, Any]]:
     """What each fairscale module exposes from oss_plus (imported lazily)."""
-    from oss_plus.amp import ShardedGradScaler
+    from oss_plus.amp.scaler import ShardedGradScaler
     from oss_plus.compat.fairscale import OSS
     from oss_plus.data_parallel import ShardedDataParallel
 

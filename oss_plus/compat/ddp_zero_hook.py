@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from oss_plus.overlap import CommHook, DDPOverlap
 from oss_plus.overlap.layout import OverlapSync
 from oss_plus.overlap.plan import Assignment, local_order, torch_assignments
-from oss_plus.partition import Rule
-from oss_plus.plan import ShardPlan
+from oss_plus.planning.partition import Rule
+from oss_plus.planning.plan import ShardPlan
 
 if TYPE_CHECKING:
     from oss_plus.compat.torch import ZeroRedundancyOptimizer

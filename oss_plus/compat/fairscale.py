@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
-from oss_plus import _dist
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat._install import install, is_installed, uninstall
-from oss_plus.partition import Rule
-from oss_plus.policy import Layout, LocalOrder, ShardPolicy
-from oss_plus.sync import Bucket
+from oss_plus.planning.partition import Rule
+from oss_plus.planning.policy import Layout, LocalOrder, ShardPolicy
+from oss_plus.runtime import dist as _dist
+from oss_plus.wire.sync import Bucket
 
 __all__ = ["OSS", "install", "is_installed", "uninstall"]
 
@@ -164,7 +164,7 @@ class OSS(CompatOSS):
     def buckets(self) -> dict[torch.device, dict[int, Bucket]]:
         """``buckets[device][rank]``: the flat buffer of ``rank``'s trainable params.
 
-        Each :class:`~oss_plus.sync.Bucket` has ``buffer`` and ``params``. fairscale supports
+        Each :class:`~oss_plus.wire.sync.Bucket` has ``buffer`` and ``params``. fairscale supports
         one dtype per bucket only; with mixed dtypes this view shows the bucket of the first
         dtype and ``sync_buckets.buckets`` lists them all.
         """
@@ -208,7 +208,7 @@ class OSS(CompatOSS):
         param on one rank only with ``filter_params_fn``. The owned params are computed at
         every call (fairscale caches the list on first use: called before any backward or
         after ``refresh_trainable`` it clips with a stale list), and the norm is computed in
-        float32/float64 by :mod:`oss_plus.clip` (fairscale rounds each rank's partial norm to
+        float32/float64 by :mod:`oss_plus.amp.clip` (fairscale rounds each rank's partial norm to
         the param dtype: coarse in bf16).
 
         Args:

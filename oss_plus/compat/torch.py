@@ -26,7 +26,6 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from oss_plus import _dist, _params
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat._torch_install import install, is_installed, uninstall
 from oss_plus.compat._torch_params import (  # noqa: F401 - the messages are public here too
@@ -51,9 +50,11 @@ from oss_plus.compat.ddp_zero_hook import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
 )
-from oss_plus.partition import Rule
-from oss_plus.policy import Layout, ShardPolicy
-from oss_plus.torch_callers import GET, torch_options
+from oss_plus.planning.partition import Rule
+from oss_plus.planning.policy import Layout, ShardPolicy
+from oss_plus.runtime import dist as _dist
+from oss_plus.state.torch_callers import GET, torch_options
+from oss_plus.step import params as _params
 
 __all__ = [
     "ZeroRedundancyOptimizer",
@@ -141,7 +142,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         ...         ddp(batch).sum().backward(); opt.step()
 
     A plain ``torch.amp.GradScaler`` steps it as it steps torch's class (unscale, then skip
-    on the rank that found inf/NaN): ``OSS``'s scaling contract (:mod:`oss_plus.amp`) is off
+    on the rank that found inf/NaN): ``OSS``'s scaling contract (:mod:`oss_plus.amp.scaler`) is off
     here, since the shadow step of a rank that joined (``Join``) could not take part in its
     agreement. ``oss_plus.ShardedGradScaler`` agrees on the flag (outside ``Join``).
 

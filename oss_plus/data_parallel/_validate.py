@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._layout import alignment
 from oss_plus.data_parallel.flat import cut_param, key_layout
 from oss_plus.data_parallel.plan import DDP_BUCKET_CAP_MB, BucketCap, FlatKey
 from oss_plus.optimizer import OSS
-from oss_plus.partition import Rule
+from oss_plus.planning.partition import Rule
+from oss_plus.wire.layout import alignment
 
 __all__ = [
     "FLAT_LAYOUT",

@@ -26,7 +26,7 @@ Groups launch strictly in plan order, each when all its buckets are full, so eve
 issues the same collectives in the same order. At launch the buffer is scaled by
 ``1 / world_size`` (DDP's ``mul_out``; compressed: divided in the wire dtype, as DDP's
 compress hooks). On gloo every collective returns only after gloo's worker released its
-tensors (:func:`oss_plus._dist.await_release`: a reference dropped later could abort the
+tensors (:func:`oss_plus.runtime.dist.await_release`: a reference dropped later could abort the
 process at exit, docs/reliability.md).
 
 Hybrid sharding (``replicate``: the ranks owning the same buckets in the other shard
@@ -45,10 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus import _dist
-from oss_plus._trace import label
 from oss_plus.data_parallel.compress import buffer_dtype
 from oss_plus.data_parallel.plan import ReducePlan, launch_groups
+from oss_plus.runtime import dist as _dist
+from oss_plus.runtime.trace import label
 
 __all__ = ["COLLECTIVES", "Buckets", "pick_collective"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from oss_plus.sync import wire_dtype_for
+from oss_plus.wire.sync import wire_dtype_for
 
 __all__ = ["BAD_REDUCE_DTYPE", "buffer_dtype", "resolve_wire"]
 

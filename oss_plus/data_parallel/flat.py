@@ -1,6 +1,6 @@
 """PURE: the flat rule's gradient buffers and their buckets (ZeRO-2 with ``partition_rule="flat"``).
 
-Under the flat rule (:func:`oss_plus.partition.cut_flat`) the trainable params of one
+Under the flat rule (:func:`oss_plus.planning.partition.cut_flat`) the trainable params of one
 (device, dtype) key sit back to back, each at an aligned offset, in one virtual buffer of
 ``world_size`` equal ranges; rank ``r`` owns the elements of range ``r``. The gradient
 buffer has the same layout (as Megatron-Core's distributed optimizer lays its gradient
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from oss_plus.partition import flat_offsets
+from oss_plus.planning.partition import flat_offsets
 
 __all__ = ["FlatSlice", "cut_param", "cut_slices", "key_layout"]
 
@@ -46,7 +46,7 @@ class FlatSlice:
 
 def key_layout(numels: Sequence[int], align: int, world_size: int) -> tuple[list[int], int]:
     """Offsets of a key's params (flat order) in its buffer, and the range size: exactly
-    :func:`oss_plus.partition.flat_offsets`, the rule the optimizer cut the params by.
+    :func:`oss_plus.planning.partition.flat_offsets`, the rule the optimizer cut the params by.
 
     Example:
         >>> key_layout([10, 6], 1, 2)

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from oss_plus._trace import label
 from oss_plus.data_parallel.buckets import Buckets
 from oss_plus.data_parallel.hooks import copy_pieces, make_hook
 from oss_plus.data_parallel.plan import ReducePlan
+from oss_plus.runtime.trace import label
 
 __all__ = [
     "GRAD_REQUIRES_GRAD",

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oss_plus import _dist
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.plan import BucketCap
 from oss_plus.data_parallel.reducer import GRAD_REQUIRES_GRAD, GradReducer
 from oss_plus.data_parallel.wiring import Settings, Watch, build_reducer, plan_for
 from oss_plus.optimizer import OSS
-from oss_plus.partition import Rule
+from oss_plus.planning.partition import Rule
+from oss_plus.runtime import dist as _dist
 
 __all__ = ["Change", "ReduceReplanner", "graph_grads"]
 

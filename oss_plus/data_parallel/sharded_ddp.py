@@ -23,8 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from oss_plus import _arrival, _dist
-from oss_plus._trace import label
 from oss_plus.data_parallel import _validate
 from oss_plus.data_parallel.buckets import pick_collective
 from oss_plus.data_parallel.compress import resolve_wire
@@ -33,6 +31,9 @@ from oss_plus.data_parallel.reducer import GradReducer
 from oss_plus.data_parallel.replan import Change, ReduceReplanner, graph_grads
 from oss_plus.data_parallel.wiring import Settings
 from oss_plus.optimizer import OSS
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime import dist as _dist
+from oss_plus.runtime.trace import label
 
 __all__ = ["ShardedDataParallel"]
 
@@ -306,7 +307,7 @@ class ShardedDataParallel(nn.Module):
             ValueError: a newly trainable param is in no optimizer.
 
         .. warning:: Collective: call on every rank of ``process_group`` (a call on some ranks
-            only raises there within the arrival timeout, :mod:`oss_plus._arrival`).
+            only raises there within the arrival timeout, :mod:`oss_plus.runtime.arrival`).
         """
         with (
             _arrival.entry(self.process_group, "refresh_trainable()"),

@@ -10,7 +10,8 @@ param) and run only when ``auto_refresh_trainable`` asks for automatic detection
 :func:`build_reducer` plans the buckets (:func:`~oss_plus.data_parallel.plan.plan_buckets`)
 from the optimizers' public contract: ``param_to_rank``, ``plan`` and ``flat_params()``
 (the flat rule's layout), and routes a cut param's piece to ``OSS.set_piece_grad`` (which a
-grad scaler unscales through ``OSS``'s side of torch's scaling contract, :mod:`oss_plus.amp`).
+grad scaler unscales through ``OSS``'s side of torch's scaling contract,
+:mod:`oss_plus.amp.scaler`).
 """
 
 from __future__ import annotations

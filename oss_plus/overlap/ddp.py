@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus import _dist
 from oss_plus.optimizer import OSS
-from oss_plus.partition import Rule
+from oss_plus.planning.partition import Rule
+from oss_plus.runtime import dist as _dist
 
 __all__ = ["CommHook", "check_pairing", "ddp_reduce_hook", "grad_views", "reduce_bucket"]
 
@@ -73,7 +73,7 @@ def reduce_bucket(
 
     The all-reduce is given its own tensor object over the bucket's memory (``detach()``, a
     view), so that only this collective and the caller hold it: once the work is done, its
-    use count is back to the one returned, which :func:`oss_plus._dist.await_release` waits
+    use count is back to the one returned, which :func:`oss_plus.runtime.dist.await_release` waits
     for. (The bucket's own tensor is held by DDP's reducer and its ``GradBucket`` copies,
     whose number changes during ``backward()``, so its count says nothing.) Why wait: a work
     issued inside ``backward()`` holds torch's thread-local state, which references a Python

@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from oss_plus import _dist
-from oss_plus._trace import label
 from oss_plus.optimizer import OSS
 from oss_plus.overlap.ddp import (
     CommHook,
@@ -29,9 +27,11 @@ from oss_plus.overlap.ddp import (
 )
 from oss_plus.overlap.layout import Entry, OverlapSync
 from oss_plus.overlap.plan import owner_pieces
-from oss_plus.plan import ShardPlan
-from oss_plus.state import copy_hyper
-from oss_plus.sync import Pending
+from oss_plus.planning.plan import ShardPlan
+from oss_plus.runtime import dist as _dist
+from oss_plus.runtime.trace import label
+from oss_plus.state.index import copy_hyper
+from oss_plus.wire.sync import Pending
 
 __all__ = ["PARAMS_CHANGED", "DDPOverlap", "Gate", "Planner", "overlap_hook", "overlap_with_ddp"]
 
@@ -159,7 +159,7 @@ class DDPOverlap:
 
     def _release(self, held: list[Held]) -> None:
         """Return once gloo's worker dropped every tensor of ``held`` (whose works are
-        done and no longer referenced here): see :func:`oss_plus._dist.await_release`."""
+        done and no longer referenced here): see :func:`oss_plus.runtime.dist.await_release`."""
         _dist.await_release([t for t, _ in held], [c for _, c in held], self.optimizer.group)
 
     def _by_owner(self, index: int, params: Sequence[torch.Tensor]) -> list[tuple[int, list[int]]]:
@@ -196,7 +196,7 @@ class DDPOverlap:
 
     def _end(self) -> None:
         """After the last bucket: wait for the broadcasts, raise on every rank if any rank's
-        step raised (:meth:`oss_plus.sync.BucketSync.settle`), hyperparams out."""
+        step raised (:meth:`oss_plus.wire.sync.BucketSync.settle`), hyperparams out."""
         opt = self.optimizer
         error, sent, held = self._error, self._sent, self._held
         try:

@@ -3,13 +3,13 @@
 :class:`PieceLayout` (no collectives) lays the params out in "pieces" that follow DDP's
 gradient buckets: for DDP bucket ``b`` and each rank ``r`` stepping params of ``b``, the
 params ``r`` steps are laid out back to back at aligned offsets (bit-identical kernels) in one
-buffer whose views are the params, followed by the status slot of :mod:`oss_plus._layout`.
+buffer whose views are the params, followed by the status slot of :mod:`oss_plus.wire.layout`.
 Pieces are built lazily, per DDP bucket, the first time its gradients arrive (or again when
 DDP rebuilds its buckets: the params of a changed bucket leave their old pieces first).
 
 :class:`OverlapSync` is what the overlap installs as the optimizer's sync
 (:meth:`oss_plus.OSS.install_sync`): the piece layout plus a
-:class:`oss_plus.sync.BucketSync` over its pieces, which moves the bytes. After ``r`` stepped
+:class:`oss_plus.wire.sync.BucketSync` over its pieces, which moves the bytes. After ``r`` stepped
 its piece of bucket ``b``, one broadcast from ``r`` brings it to every rank, so bucket ``b``'s
 params travel while DDP still reduces later buckets. It also supports a plain :meth:`sync`
 of every piece (what the core ``step()`` calls), :meth:`release`, :meth:`is_intact` and
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oss_plus._layout import Bucket, lay_out
-from oss_plus.main_copy import carry_main_values, main_values
-from oss_plus.sync import BucketSync, Pending
+from oss_plus.wire.layout import Bucket, lay_out
+from oss_plus.wire.main.region import carry_main_values, main_values
+from oss_plus.wire.sync import BucketSync, Pending
 
 __all__ = ["Entry", "OverlapSync", "PieceLayout", "make_entry"]
 
@@ -187,7 +187,7 @@ class OverlapSync:
 
         Returns:
             Callables that wait for each broadcast (and widen a compressed copy), with the
-            tensors each holds (for :func:`oss_plus._dist.await_release`).
+            tensors each holds (for :func:`oss_plus.runtime.dist.await_release`).
 
         .. warning:: Collective: call on every rank of ``group``, bucket by bucket in order.
         """
@@ -201,15 +201,15 @@ class OverlapSync:
         self.transport.settle(error, [b for e in entries for b in e.pieces])
 
     def is_intact(self) -> bool:
-        """See :meth:`oss_plus.sync.BucketSync.is_intact`."""
+        """See :meth:`oss_plus.wire.sync.BucketSync.is_intact`."""
         return self.transport.is_intact()
 
     def transports(self) -> dict[str, int]:
-        """See :meth:`oss_plus.sync.BucketSync.transports`."""
+        """See :meth:`oss_plus.wire.sync.BucketSync.transports`."""
         return self.transport.transports()
 
     def wire_bytes(self, wire: torch.dtype | None = None) -> int:
-        """See :meth:`oss_plus.sync.BucketSync.wire_bytes`."""
+        """See :meth:`oss_plus.wire.sync.BucketSync.wire_bytes`."""
         return self.transport.wire_bytes(wire)
 
     def release(self) -> None:

@@ -31,7 +31,7 @@ def _install(mode: str) -> None:
     from oss_plus import OSS
     from oss_plus.overlap import DDPOverlap
     from oss_plus.overlap.layout import OverlapSync
-    from oss_plus.sync import BucketSync
+    from oss_plus.wire.sync import BucketSync
 
     real_step = OSS.step
 
@@ -47,7 +47,7 @@ def _install(mode: str) -> None:
             raise error
 
     def no_launch(self: Any, wire: Any = None, code: int = 0) -> Any:
-        from oss_plus.inflight import InFlight
+        from oss_plus.wire.inflight import InFlight
 
         return InFlight([], {}, None, self.group)
 

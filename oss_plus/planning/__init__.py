@@ -1,0 +1,52 @@
+"""Planning (PURE): who owns which parameter, the shard plan as a frozen value, the policies
+the adapters customise it with, and the reports of ``oss-plus plan``. Nothing here talks to
+other ranks or imports ``torch.distributed`` (an import-linter contract and a test keep it so).
+
+Public API: the names below (``docs/api.rst``).
+"""
+
+from oss_plus.planning.model_specs import (
+    MODELS,
+    gpt2_shapes,
+    llama_shapes,
+    model_specs,
+    parse_shapes,
+    read_shapes,
+    specs_from_module,
+    specs_from_shapes,
+)
+from oss_plus.planning.partition import ParamSpec, Piece, Rule, assign_owners
+from oss_plus.planning.plan import ShardPlan, make_plan, plan_from_owners
+from oss_plus.planning.policy import Layout, LocalOrder, ShardPolicy, Transport
+from oss_plus.planning.report import BalanceRow, balance_rows, default_shard_sizes
+from oss_plus.planning.scale import ScaleRow, Topology, rank_loads, ring_bytes, scale_rows
+
+__all__ = [
+    "MODELS",
+    "BalanceRow",
+    "Layout",
+    "LocalOrder",
+    "ParamSpec",
+    "Piece",
+    "Rule",
+    "ScaleRow",
+    "ShardPlan",
+    "ShardPolicy",
+    "Topology",
+    "Transport",
+    "assign_owners",
+    "balance_rows",
+    "default_shard_sizes",
+    "gpt2_shapes",
+    "llama_shapes",
+    "make_plan",
+    "model_specs",
+    "parse_shapes",
+    "plan_from_owners",
+    "rank_loads",
+    "read_shapes",
+    "ring_bytes",
+    "scale_rows",
+    "specs_from_module",
+    "specs_from_shapes",
+]
