@@ -22,7 +22,8 @@ def owner_key_elements(numels: Sequence[int], align: int, world: int) -> tuple[i
     ``all_gather`` (PURE), given each owner's bucket of the key (alignment padding
     included; 0 for an owner without params of the key), as
     :func:`oss_plus.wire.layout.owner_buckets` lays them out: a broadcast bucket carries its
-    params and a status slot; every ``all_gather`` region is the largest bucket plus its slot, rounded up to ``align``.
+    params and a status slot; every ``all_gather`` region is the largest bucket plus its
+    slot, rounded up to ``align``.
 
     Example:
         >>> owner_key_elements([1000, 10, 0, 0], align=16, world=4)  # one large tensor
