@@ -27,7 +27,7 @@ import torch.distributed as dist
 from helpers import batch, make_diff_model
 
 from oss_plus import OSS
-from oss_plus._launch import run_local
+from oss_plus.runtime.launch import run_local
 from oss_plus.compat import fairscale as compat_fairscale
 
 pytestmark = pytest.mark.exactness
