@@ -39,11 +39,11 @@ MOVED: dict[str, str] = {
     "pieces": "step.pieces",
     "replan": "step.replan",
     "stepping": "step.driver",
-    "changes": "step.changes",
     "plan_views": "step.views",
     "_params": "step.params",
     # the wire: layouts, the parameter sync, its transports and status, main copies
     "_layout": "wire.layout",
+    "changes": "wire.changes",
     "layout_choice": "wire.factory",
     "sync": "wire.sync",
     "transport": "wire.transport",

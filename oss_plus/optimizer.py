@@ -38,7 +38,6 @@ from oss_plus.step.replan import Replanner
 from oss_plus.step.shard import LocalShard, evaluate_first
 from oss_plus.step.views import PlanViews
 from oss_plus.wire.inflight import ForwardWaits
-from oss_plus.wire.main.region import MAIN_KEY, split_main
 from oss_plus.wire.sync import BucketSync
 
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
@@ -88,7 +87,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         auto_refresh: keyword-only, a plain attribute read at every step (default True):
             :meth:`step` follows ``requires_grad`` changes (repartitions on every rank, as
             :meth:`refresh_trainable`) and re-allocated params (``module.to()``; lays them
-            out again, as :meth:`install_sync`); :mod:`oss_plus.step.changes` says what is read
+            out again, as :meth:`install_sync`); :mod:`oss_plus.wire.changes` says what is read
             when. With False, call those two methods yourself after such a change.
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
@@ -184,17 +183,13 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         before the next :meth:`step` if they must outlive it. For a param the plan splits
         (``plan.split``), the state is this rank's piece (``plan.piece(rank, index)``):
         tensors shaped like the param hold the piece's elements, 1-D
-        (:func:`oss_plus.step.pieces.stitch_state` makes the whole state of the pieces).
+        (:func:`oss_plus.state.pieces.stitch_state` makes the whole state of the pieces).
 
         Under a compressed wire, the exact values of what this rank sends (its main
         copies, ``docs/amp.md``) are the entry :data:`oss_plus.wire.main.region.MAIN_KEY`
         (``"oss_plus.main"``) of each param's state, shaped like the param (its piece).
         """
-        self._driver.wait()
-        states = self._shard.export()
-        for i, values in self._replanner.main_values().items():
-            states.setdefault(i, {})[MAIN_KEY] = values
-        return states
+        return self._replanner.export_state()
 
     def import_local_state(
         self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
@@ -213,11 +208,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         Raises:
             ValueError: an ``"oss_plus.main"`` entry whose size is not its param's.
         """
-        self._driver.wait()
-        plain, mains = split_main(states)
-        exact = self._replanner.main_for(mains)  # checked before anything changes
-        self._shard.load(plain, param_groups)
-        self._replanner.give_main(exact)
+        self._replanner.import_state(states, param_groups)
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
@@ -275,7 +266,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
 
     def trainability_changed(self) -> bool:
         """Whether ``requires_grad`` changed since the plan was made, as :meth:`step` reads it
-        (:mod:`oss_plus.step.changes`: a frozen param unfrozen at once, a freeze within a few
+        (:mod:`oss_plus.wire.changes`: a frozen param unfrozen at once, a freeze within a few
         calls; never at world size 1 nor with ``auto_refresh`` False). Call it on every rank
         alike: each call reads the next slice of the trainable params."""
         return self.auto_refresh and self._replanner.changes.trainability_changed()
@@ -317,19 +308,12 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             if plan is not None and not replan.together(plan, self.wire_dtype):
                 return None  # this rank's plan changed, not every rank's
         self.drop_consolidated()
-        error: Exception | None = None
-        if callable(closure):  # first, then read what it may replace (see evaluate_first)
-            kwargs["closure"], error = evaluate_first(closure)
-        elif closure is not None:  # not a closure: the inner step's business (as fairscale)
-            kwargs["closure"] = closure
+        error = evaluate_first(closure, kwargs)  # first, then read what it may replace
         sync, redirect = replan.sync, None
         copy_hyper(self.param_groups, self.optim.param_groups)
         if isinstance(sync, BucketSync):  # the exact values of what went compressed are stepped
             redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
-        if error is None:
-            loss, error = self._shard.step(kwargs, redirect)
-        else:
-            loss = None
+        loss, error = self._shard.step(kwargs, redirect) if error is None else (None, error)
         self._driver.send(sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss

@@ -54,6 +54,8 @@ import torch.distributed as dist
 
 from oss_plus.runtime.launch import free_port, init_local_group
 
+__all__ = ["GROUP_RANKS", "PoolError", "PoolTimeout", "RankContext", "RemoteError", "WorkerPool"]
+
 logger = logging.getLogger(__name__)
 
 Ranks = tuple[int, ...]

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from helpers import batch, make_diff_model
 
 from oss_plus import OSS
-from oss_plus.runtime.launch import run_local
 from oss_plus.compat import fairscale as compat_fairscale
+from oss_plus.runtime.launch import run_local
 
 pytestmark = pytest.mark.exactness
 

@@ -23,7 +23,7 @@ from helpers import (
 
 import oss_plus
 from oss_plus import OSS
-from oss_plus.step.changes import WINDOWS
+from oss_plus.wire.changes import WINDOWS
 
 #: Every class the flat rule accepts out of the box, with stateful settings.
 ELEMENTWISE = {

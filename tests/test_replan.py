@@ -6,7 +6,7 @@ reads every rank's status at once. Every rank changed: they repartition together
 Some ranks only: nothing hangs; every rank raises
 :data:`~oss_plus.wire.status.TRAINABILITY_DIFFERS` at the same later call (the check after the
 step that saw it: an unfreeze at the next step, a freeze within
-:data:`~oss_plus.step.changes.WINDOWS` steps). Before issue 29, the
+:data:`~oss_plus.wire.changes.WINDOWS` steps). Before issue 29, the
 changed ranks entered the repartition's agreement while the others waited in the sync: a
 hang until the timeout (the short task timeout makes that fail fast).
 """
@@ -20,8 +20,8 @@ import torch
 from helpers import backward, catch, flat_params, make_cut_model, make_model
 
 from oss_plus import OSS
-from oss_plus.step.changes import WINDOWS
 from oss_plus.step.params import PLANS_DIFFER
+from oss_plus.wire.changes import WINDOWS
 from oss_plus.wire.status import replan_message
 
 #: Seconds a task may take: a hang fails the test fast.

@@ -23,8 +23,8 @@ from oss_plus import OSS
 from oss_plus.bench.measure import host_reads
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
 from oss_plus.planning.policy import ShardPolicy
-from oss_plus.step.changes import WINDOWS
 from oss_plus.step.params import BAD_AUTO_REFRESH
+from oss_plus.wire.changes import WINDOWS
 from oss_plus.wire.sync import any_set
 
 

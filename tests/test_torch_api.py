@@ -45,7 +45,7 @@ PRIVATE = {
     "DistributedDataParallel._has_rebuilt_buckets": "oss_plus/compat/ddp_zero_hook.py",
     "Module._parameters": "oss_plus/data_parallel/wiring.py",
     "torch.autograd._profiler_enabled": "oss_plus/runtime/trace.py",
-    "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/step/changes.py",
+    "torch._C._tensors_data_ptrs_at_indices_equal": "oss_plus/wire/changes.py",
     "torch._disable_dynamo": "oss_plus/data_parallel/sharded_ddp.py",
     "ProcessGroupGloo.pt_gloo_runloop": "oss_plus/runtime/exit.py",
     "state_dict._init_optim_state": "oss_plus/state/torch_callers.py",

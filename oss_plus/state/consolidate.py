@@ -30,7 +30,7 @@ from oss_plus.runtime.dist import (
 )
 from oss_plus.state.index import ParamState
 from oss_plus.state.nested import flatten_value, unflatten_value
-from oss_plus.step.pieces import stitch_state
+from oss_plus.state.pieces import stitch_state
 
 __all__ = ["Transfer", "exchange_states", "whole_states", "ALL_RANKS"]
 
@@ -228,7 +228,7 @@ def whole_states(
     Every rank holding a piece of param ``i`` under ``plan`` (whose states ``local_states``
     are, keyed by flat index) sends it to each of ``destinations[i]`` (an ``int`` for every
     param: a rank or :data:`ALL_RANKS`), which stitches the whole state
-    (:func:`oss_plus.step.pieces.stitch_state`). Under a whole-tensor plan this is one transfer per
+    (:func:`oss_plus.state.pieces.stitch_state`). Under a whole-tensor plan this is one transfer per
     param and destination, from its owner.
 
     Args:

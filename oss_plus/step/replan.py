@@ -5,7 +5,7 @@ with the params: plan again by the policy (a plan pinned by :meth:`oss_plus.OSS.
 keeps its owners while the groups do not change), adopt a plan agreed by every rank (the
 state moves in :meth:`oss_plus.step.shard.LocalShard.adopt`), install a sync laid out for it
 (:func:`oss_plus.wire.factory.build_sync`, or the one a collaborator gives), and, before
-every step, read what changed since (:class:`oss_plus.step.changes.ChangeDetector`:
+every step, read what changed since (:class:`oss_plus.wire.changes.ChangeDetector`:
 ``requires_grad``; the sync's ``is_intact()``: re-allocated params).
 
 A rank whose plan changed at a step does not repartition alone: it runs the sync unstepped
@@ -26,12 +26,13 @@ import torch
 from oss_plus.planning.partition import Rule
 from oss_plus.planning.plan import ShardPlan
 from oss_plus.planning.policy import ShardPolicy
+from oss_plus.state.index import ParamState
 from oss_plus.step import params as _params
-from oss_plus.step.changes import ChangeDetector
 from oss_plus.step.driver import StepDriver
 from oss_plus.step.shard import LocalShard
+from oss_plus.wire.changes import ChangeDetector
 from oss_plus.wire.factory import build_sync
-from oss_plus.wire.main.region import MAIN_KEY, apply_exact
+from oss_plus.wire.main.region import MAIN_KEY, apply_exact, split_main
 from oss_plus.wire.sync import BucketSync
 
 __all__ = ["Replanner"]
@@ -137,6 +138,28 @@ class Replanner:
         targets = self.shard.targets.targets()
         local = self.shard.plan.local_indices(self.shard.rank)
         return {i: targets[i] for indices in local for i in indices}
+
+    def export_state(self) -> dict[int, ParamState]:
+        """This rank's state by flat index, with its main copies (``OSS.export_local_state``)."""
+        self.driver.wait()
+        states = self.shard.export()
+        for i, values in self.main_values().items():
+            states.setdefault(i, {})[MAIN_KEY] = values
+        return states
+
+    def import_state(
+        self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None
+    ) -> None:
+        """Load ``states``, their main values into the main copies (``OSS.import_local_state``).
+
+        Raises:
+            ValueError: a main value whose size is not its param's, before anything changes.
+        """
+        self.driver.wait()
+        plain, mains = split_main(states)
+        exact = self.main_for(mains)  # checked before anything changes
+        self.shard.load(plain, param_groups)
+        self.give_main(exact)
 
     def main_values(self) -> dict[int, torch.Tensor]:
         """The exact values of what this rank sent compressed, by flat index, shaped like the

@@ -181,11 +181,13 @@ class LocalShard:
         copy_hyper(self.optim.param_groups, self.param_groups)
 
 
-def evaluate_first(closure: Callable[[], Any]) -> tuple[Callable[[], Any], Exception | None]:
+def evaluate_first(closure: Any, kwargs: dict[str, Any]) -> Exception | None:
     """Run a step's ``closure`` now, gradients enabled as ``torch.optim`` does, its error
-    captured (:func:`oss_plus.runtime.dist.capture`: the sync still runs); return the closure to
-    give the local step: its first call returns that loss, later calls run ``closure``
-    again (an inner optimizer that evaluates it more than once).
+    captured and returned (:func:`oss_plus.runtime.dist.capture`: the sync still runs); put
+    in ``kwargs["closure"]`` the closure to give the local step: its first call returns that
+    loss, later calls run ``closure`` again (an inner optimizer that evaluates it more than
+    once). A ``closure`` that is not callable goes to the inner step as it is (as fairscale
+    passes it); None adds nothing.
 
     Why first: a closure may re-plan the optimizer it is passed to. fairscale's
     ``ShardedDataParallel`` calls ``refresh_trainable()`` in its forward (at the first one,
@@ -194,6 +196,10 @@ def evaluate_first(closure: Callable[[], Any]) -> tuple[Callable[[], Any], Excep
     and broadcast the replaced ones (issue 36: Lightning 1.9's ``ddp_sharded`` steps inside
     its closure).
     """
+    if not callable(closure):
+        if closure is not None:
+            kwargs["closure"] = closure
+        return None
     with torch.enable_grad():
         loss, error = _dist.capture(closure)
     pending = [loss]
@@ -201,4 +207,5 @@ def evaluate_first(closure: Callable[[], Any]) -> tuple[Callable[[], Any], Excep
     def replay() -> Any:
         return pending.pop() if pending else closure()
 
-    return replay, error
+    kwargs["closure"] = replay
+    return error

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from oss_plus.runtime import dist as _dist
 from oss_plus.runtime.trace import label
-from oss_plus.step.changes import Addresses
+from oss_plus.wire.changes import Addresses
 from oss_plus.wire.inflight import InFlight, Pending, holding_buckets
 from oss_plus.wire.layout import Bucket, Gather, Transport, alignment, bucket_numel
 from oss_plus.wire.main.copies import MainCopies
@@ -118,7 +118,7 @@ class BucketSync:
         """Return False when a param stopped being a view of its bucket (``.data`` replaced,
         ``module.to(...)``): the layout must then be rebuilt.
 
-        One address read per bucketed param, at C speed (:class:`oss_plus.step.changes.Addresses`).
+        One address read per bucketed param, at C speed (:class:`oss_plus.wire.changes.Addresses`).
         """
         return self._addresses.intact()
 

@@ -1,0 +1,50 @@
+"""The one layering rule import-linter cannot state (it sees external packages by their top
+name only): planning imports nothing of ``torch.distributed``. The other layers are the
+import-linter contracts in setup.cfg (``lint-imports``, run in CI; docs/design.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PLANNING = Path(__file__).resolve().parents[1] / "oss_plus" / "planning"
+
+
+def distributed_uses(source: str) -> list[int]:
+    """Lines of ``source`` that import or name ``torch.distributed``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [f"{node.value.id}.{node.attr}"]
+        else:
+            continue
+        if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+            found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist",
+        "from torch.distributed import ProcessGroup",
+        "from torch import distributed",
+        "import torch\nx = torch.distributed",
+    ],
+)
+def test_the_scan_sees_every_form(source):
+    assert distributed_uses(source)
+
+
+def test_planning_imports_nothing_of_torch_distributed():
+    files = sorted(PLANNING.glob("*.py"))
+    assert len(files) >= 8  # the scan found the package
+    offenders = [f"{p.name}:{line}" for p in files for line in distributed_uses(p.read_text())]
+    assert not offenders, "planning is pure (docs/design.md): " + ", ".join(offenders)
