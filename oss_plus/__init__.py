@@ -30,7 +30,7 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _moved.install()
 

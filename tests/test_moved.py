@@ -41,11 +41,52 @@ SHADOWED = {
     "oss_plus.amp": ("ScalerContract", "oss_plus.amp.scaler"),
 }
 #: Every module at the root of 0.2.0, and the modules still there.
-ROOT_02 = """__main__ _arrival _dist _exit _launch _layout _nested _norms _params _trace amp changes
-cli clip consolidate dcp demo hybrid inflight layout_choice main_copies main_copy main_step
-model_specs optimizer partition pieces plan plan_report plan_views policy replan scale_report
-shard sharded_tensor split_params state state_dict status stepping sync testing torch_callers
-transport""".split()
+ROOT_02 = [
+    "__main__",
+    "_arrival",
+    "_dist",
+    "_exit",
+    "_launch",
+    "_layout",
+    "_nested",
+    "_norms",
+    "_params",
+    "_trace",
+    "amp",
+    "changes",
+    "cli",
+    "clip",
+    "consolidate",
+    "dcp",
+    "demo",
+    "hybrid",
+    "inflight",
+    "layout_choice",
+    "main_copies",
+    "main_copy",
+    "main_step",
+    "model_specs",
+    "optimizer",
+    "partition",
+    "pieces",
+    "plan",
+    "plan_report",
+    "plan_views",
+    "policy",
+    "replan",
+    "scale_report",
+    "shard",
+    "sharded_tensor",
+    "split_params",
+    "state",
+    "state_dict",
+    "status",
+    "stepping",
+    "sync",
+    "testing",
+    "torch_callers",
+    "transport",
+]
 STAYED = {"__main__", "cli", "demo", "hybrid", "optimizer", "testing"}
 
 PROBE = textwrap.dedent(

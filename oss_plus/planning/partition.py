@@ -37,7 +37,6 @@ __all__ = [
     "cut_flat",
     "flat_offsets",
     "piece_loads",
-    "rank_loads",
 ]
 
 #: Position of a parameter: (group index, index within the group).
@@ -150,23 +149,6 @@ def assign_owners(
             owners[g][i] = rank
             totals[rank] += rule.weight(group[i])
     return owners
-
-
-def rank_loads(
-    groups: Sequence[Sequence[ParamSpec]], owners: Sequence[Sequence[int]], world_size: int
-) -> list[int]:
-    """Return the number of trainable elements each rank owns (the optimizer-state balance).
-
-    Example:
-        >>> rank_loads([[ParamSpec(10), ParamSpec(3, trainable=False)]], [[0, 1]], 2)
-        [10, 0]
-    """
-    loads = [0] * world_size
-    for group, group_owners in zip(groups, owners):
-        for spec, rank in zip(group, group_owners):
-            if spec.trainable:
-                loads[rank] += spec.numel
-    return loads
 
 
 @dataclass(frozen=True)
