@@ -269,7 +269,7 @@ def test_the_profiler_flag_is_set_only_while_a_profiler_records():
 
 @pytest.mark.parametrize("loop", ["torch", "fallback"])
 def test_the_address_check_sees_a_replaced_data_with_either_loop(monkeypatch, loop):
-    from oss_plus.step import changes
+    from oss_plus.wire import changes
 
     if loop == "torch" and changes._ptrs_equal is None:
         pytest.skip("this torch build has no _tensors_data_ptrs_at_indices_equal")
