@@ -135,7 +135,11 @@ def package_getattr(name: str) -> Any:
     """``oss_plus.<name>`` for a name the package does not define: an old module, imported
     through the finder (so ``import oss_plus; oss_plus.plan.make_plan`` still works)."""
     if name in MOVED and not _is_package(name):
-        return importlib.import_module(f"oss_plus.{name}")
+        # warned here, not by the finder: the line to name is the caller of oss_plus.__getattr__
+        warnings.warn(moved_message(name), DeprecationWarning, stacklevel=3)
+        module = importlib.import_module(f"oss_plus.{MOVED[name]}")
+        sys.modules.setdefault(f"oss_plus.{name}", module)
+        return module
     raise AttributeError(f"module 'oss_plus' has no attribute {name!r}")
 
 
