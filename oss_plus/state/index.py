@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+# also for the 0.2 paths oss_plus.state.group_offsets / local_view (oss_plus._moved), until 0.4
 from oss_plus.planning.partition import group_offsets, local_view
 from oss_plus.state.nested import map_tensors
 

@@ -25,7 +25,9 @@ import torch
 
 from oss_plus.planning.plan import ShardPlan
 from oss_plus.state.index import ParamState
-from oss_plus.state.pieces import slice_state
+
+# stitch_state: also for the 0.2 path oss_plus.pieces.stitch_state (oss_plus._moved), until 0.4
+from oss_plus.state.pieces import slice_state, stitch_state  # noqa: F401
 
 __all__ = [
     "PieceGrads",

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from oss_plus.planning.policy import Transport
+
+# LAUNCH_BYTES: also for the 0.2 path oss_plus.transport.LAUNCH_BYTES (oss_plus._moved), until 0.4
 from oss_plus.planning.transport import LAUNCH_BYTES, auto_gathers, owner_key_elements
 from oss_plus.wire.layout import Key, alignment, bucket_numel
 
