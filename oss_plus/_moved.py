@@ -114,7 +114,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run (the module is the one at the new path, already executed); give it
         back the spec importlib replaced with the alias's."""
-        module.__spec__ = self._specs[module.__name__]
+        module.__spec__ = self._specs.pop(module.__name__)
 
 
 _FINDER = _Alias()
@@ -132,12 +132,11 @@ def install() -> None:
 
 
 def package_getattr(name: str) -> Any:
-    """``oss_plus.<name>`` for a name the package does not define: an old module, imported
-    through the finder (so ``import oss_plus; oss_plus.plan.make_plan`` still works)."""
+    """``oss_plus.<name>`` for a name the package does not define: an old module (so
+    ``import oss_plus; oss_plus.plan.make_plan`` still works), registered under its old name
+    and warned at the line that named it (the caller of ``oss_plus.__getattr__``)."""
     if name in MOVED and not _is_package(name):
-        # warned here, not by the finder: the line to name is the caller of oss_plus.__getattr__
-        warnings.warn(moved_message(name), DeprecationWarning, stacklevel=3)
-        module = importlib.import_module(f"oss_plus.{MOVED[name]}")
+        module = _new_module(name, stacklevel=4)
         sys.modules.setdefault(f"oss_plus.{name}", module)
         return module
     raise AttributeError(f"module 'oss_plus' has no attribute {name!r}")
