@@ -74,6 +74,14 @@ class _Shown:
         return self.text
 
 
+def _shown_subclass(name: str, inner: Mapping[str, Any], *_: Any) -> _Shown:
+    """A tensor subclass as ``Class(attr=dtype[shape], ...)`` (not rebuilt)."""
+    shown = _Shown.__new__(_Shown)
+    fields = ", ".join(f"{attr}={value!r}" for attr, value in inner.items())
+    shown.text = f"{name.rsplit('.', 1)[-1]}({fields})"
+    return shown
+
+
 def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
     parts, total = [], 0
     for key, entry in entries.items():
@@ -81,7 +89,8 @@ def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
             parts.append(f"{key}:{_Shown(entry)!r}")
             total += nbytes_of(entry.dtype, entry.shape)
         elif isinstance(entry, NestedValue):  # the value, its tensors as dtype[shape]
-            shown = unflatten_value(entry.skeleton, [_Shown(ref) for ref in entry.tensors])
+            refs = [_Shown(ref) for ref in entry.tensors]
+            shown = unflatten_value(entry.skeleton, refs, on_subclass=_shown_subclass)
             parts.append(f"{key}={shown!r}")
             total += sum(nbytes_of(ref.dtype, ref.shape) for ref in entry.tensors)
         elif isinstance(entry, PiecesValue):  # the stitched tensor, and its pieces count

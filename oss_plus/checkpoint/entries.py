@@ -230,12 +230,17 @@ def _parse_entry(
         return PiecesValue(shape, tuple(sorted(parts, key=_start)))
     if "nested" in entry:
         refs = tuple(_parse_ref(ref, where, files) for ref in entry["tensors"])
-        unflatten_value(entry["nested"], refs, where)  # raises ValueError if malformed
+        # raises ValueError if malformed; a subclass is rebuilt (allow-list) only when loaded
+        unflatten_value(entry["nested"], refs, where, on_subclass=_structure_only)
         placeholders = len(tensor_paths(entry["nested"]))
         if placeholders != len(refs):
             raise ValueError(f"{where}: {placeholders} tensor placeholders for {len(refs)} tensors")
         return NestedValue(entry["nested"], refs)
     return _parse_ref(entry["tensor"], where, files)
+
+
+def _structure_only(*_: Any) -> None:
+    """A subclass node, checked for its structure only (see ``unflatten_value``)."""
 
 
 def _parse_ref(ref: Any, where: str, files: Mapping[str, Any]) -> TensorRef:

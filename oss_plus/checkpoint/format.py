@@ -31,6 +31,7 @@ from oss_plus.checkpoint.entries import (
     tensor_name,
 )
 from oss_plus.checkpoint.values import decode_value, encode_value
+from oss_plus.state.nested import holds_subclass
 
 __all__ = [
     "CONSOLIDATED",
@@ -62,11 +63,11 @@ __all__ = [
 FORMAT_NAME = "oss_plus.optimizer_checkpoint"
 #: The newest version this module reads and writes. A save writes version 1 unless its state
 #: holds tensors inside containers (:class:`NestedValue`, version 2) or tensors stored as
-#: pieces (:class:`PiecesValue`, version 3), so older readers still read every checkpoint
-#: they can.
-FORMAT_VERSION = 3
+#: pieces (:class:`PiecesValue`, version 3) or tensor subclasses (torchao's low-bit states in a
+#: :class:`NestedValue`, version 4), so older readers still read every checkpoint they can.
+FORMAT_VERSION = 4
 #: The versions this module reads.
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: Name of the index inside a checkpoint directory (the commit point of a save).
 INDEX_FILE = "index.json"
 #: Key of the save id in the ``__metadata__`` of every data file.
@@ -193,7 +194,10 @@ class Index:
     @property
     def format_version(self) -> int:
         """The version this index is written with: the lowest that can hold its state."""
-        kinds = {type(v) for e in self.state.values() for v in e.values()}
+        values = [v for e in self.state.values() for v in e.values()]
+        kinds = {type(v) for v in values}
+        if any(isinstance(v, NestedValue) and holds_subclass(v.skeleton) for v in values):
+            return 4
         return 3 if PiecesValue in kinds else 2 if NestedValue in kinds else 1
 
     def to_json(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from oss_plus.checkpoint.format import (
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
 from oss_plus.state.index import pack_param_groups
 from oss_plus.state.nested import flatten_value
+from oss_plus.state.subclass import is_plain
 
 __all__ = [
     "NOT_OSS",
@@ -118,13 +119,17 @@ def split_state(states: Mapping[int, Mapping[str, Any]], pieces: Pieces | None =
                 raise TypeError(f"{where}: state keys must be strings to be saved")
             if i in pieces:
                 start, end, shape = pieces[i]
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == (end - start,):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and is_plain(value)
+                    and value.shape == (end - start,)
+                ):
                     part = (start, end, _storable(value, where))
                     entries[i][key] = PiecesValue(shape, (part,))
                     continue
                 if start != 0:  # the param's value: stored by the first piece's rank
                     continue
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and is_plain(value):
                 entries[i][key] = _storable(value, where)
                 continue
             skeleton, tensors = flatten_value(value, f"of param {i}, key {key!r}")

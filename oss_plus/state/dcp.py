@@ -31,6 +31,11 @@ by shard:
 * ``StateDictOptions(full_state_dict=True)``: the whole state, consolidated
   (:meth:`oss_plus.OSS.consolidate_state_dict`), on every rank; with ``cpu_offload=True``
   on global rank 0 only.
+* A tensor-subclass state value (torchao's low-bit states, :mod:`oss_plus.state.subclass`),
+  which DCP cannot save, is handed over in both forms as a dict (:func:`to_dcp_form`): its
+  inner plain tensors by path (``"codes"``, ``"scale"``, ``"qmap"``), live, so ``dcp.load``
+  fills them in place, and under :data:`SUBCLASS_KEY` its class, context and shape as JSON
+  text. ``load_state_dict()`` rebuilds it (allow-listed classes only).
 """
 
 from __future__ import annotations
@@ -52,17 +57,25 @@ from oss_plus.state.index import (
     per_element_keys,
     validate_state_dict,
 )
+from oss_plus.state.nested import flatten_value, tensor_paths, unflatten_value
 from oss_plus.state.sharded_tensor import holds_sharded, local_piece, range_blocks, to_sharded
+from oss_plus.state.subclass import is_plain
 from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = [
     "ARRIVAL_TIMEOUT",
     "DCP_NOT_ALL_ARRIVED",
     "LocalState",
+    "SUBCLASS_KEY",
+    "from_dcp_form",
     "load_sharded",
     "range_blocks",
     "sharded_state_dict",
+    "to_dcp_form",
 ]
+
+#: The key of a tensor subclass's JSON description (class, context, shape) in its DCP form.
+SUBCLASS_KEY = "oss_plus_subclass"
 
 #: How long a rank entering torch's DCP state-dict API waits for the others (None: the
 #: default of :mod:`oss_plus.runtime.arrival`).
@@ -148,6 +161,50 @@ def agreed_state(optimizer: Any) -> LocalState:
     return LocalState(optimizer, agreed=any(flags))
 
 
+# --------------------------------------------------------------------------- subclasses
+def to_dcp_form(state: ParamState, where: str) -> ParamState:
+    """``state`` with every tensor-subclass value as its DCP form: a dict of its inner plain
+    tensors by path (live: not copied) and its JSON description under :data:`SUBCLASS_KEY`.
+
+    Raises:
+        TypeError: a subclass that cannot travel (:func:`oss_plus.state.subclass.split`).
+
+    Example:
+        >>> to_dcp_form({"step": 1, "m": torch.ones(1)}, "state[0]")
+        {'step': 1, 'm': tensor([1.])}
+    """
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and not is_plain(value):
+            skeleton, tensors = flatten_value(value, f"{where}[{key!r}]")
+            value = {
+                SUBCLASS_KEY: json.dumps(skeleton),
+                **dict(zip(tensor_paths(skeleton), tensors)),
+            }
+        out[key] = value
+    return out
+
+
+def from_dcp_form(state: Mapping[str, Any], where: str) -> ParamState:
+    """``state`` with every DCP form of :func:`to_dcp_form` rebuilt into its subclass.
+
+    Raises:
+        ValueError: a malformed form, a missing inner tensor, or a class that is not
+            allow-listed (named).
+    """
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, Mapping) and SUBCLASS_KEY in value:
+            at = f"{where}[{key!r}]"
+            skeleton = json.loads(value[SUBCLASS_KEY])
+            missing = [p for p in tensor_paths(skeleton) if p not in value]
+            if missing:
+                raise ValueError(f"{at}: the tensor subclass's inner tensors {missing} are missing")
+            value = unflatten_value(skeleton, [value[p] for p in tensor_paths(skeleton)], at)
+        out[key] = value
+    return out
+
+
 # --------------------------------------------------------------------------- get / load
 def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]:
     """The DCP form of ``optimizer``'s state (see the module docstring): keyed by flat index
@@ -167,7 +224,7 @@ def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]
             mine = plan.piece(rank, i)
             held = local.get(i, {}) if mine is not None else {}
             if i not in plan.split or not held:
-                state[i] = dict(held)
+                state[i] = to_dcp_form(held, f"state[{i}]")
                 continue
             shape, length = tuple(param.shape), mine.end - mine.start
             state[i] = {
@@ -209,18 +266,25 @@ def _add_placeholders(state: dict[int, ParamState], group: Any) -> None:
 
     .. warning:: Collective: call on every rank of ``group``.
     """
-    mine = {
-        i: {k: str(v.dtype) if isinstance(v, torch.Tensor) else None for k, v in s.items()}
-        for i, s in state.items()
-    }
-    for i, keys in mine.items():
-        for key in [k for k in keys if _per_element(state[i][k])]:
-            del keys[key]
+    mine = {i: {k: _kind(v) for k, v in s.items() if not _per_element(v)} for i, s in state.items()}
     for data in _dist.all_gather_bytes(json.dumps(mine).encode(), group):
         for i, keys in json.loads(data).items():
-            for key, dtype in keys.items():
-                value = torch.zeros((), dtype=getattr(torch, dtype[6:])) if dtype else None
-                state[int(i)].setdefault(key, value)
+            for key, kind in keys.items():
+                state[int(i)].setdefault(key, _placeholder(kind))
+
+
+def _kind(value: Any) -> str | None:
+    """What :func:`_add_placeholders` stands in for ``value`` with: a dtype, a subclass's
+    DCP form (its JSON text only: torch copies a tensor only where the template has it)."""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype)
+    return SUBCLASS_KEY if isinstance(value, Mapping) and SUBCLASS_KEY in value else None
+
+
+def _placeholder(kind: str | None) -> Any:
+    if kind == SUBCLASS_KEY:
+        return {SUBCLASS_KEY: ""}
+    return torch.zeros((), dtype=getattr(torch, kind[6:])) if kind else None
 
 
 def _per_element(value: Any) -> bool:
@@ -238,7 +302,7 @@ def full_state_dict(optimizer: Any, cpu_offload: bool) -> dict[str, Any]:
     to = ranks.index(0) if cpu_offload and 0 in ranks else ALL_RANKS
     optimizer.consolidate_state_dict(to)
     whole = optimizer.consolidated_state or {}
-    state = {i: dict(whole[i]) for i in sorted(whole)}
+    state = {i: to_dcp_form(whole[i], f"state[{i}]") for i in sorted(whole)}
     optimizer.drop_consolidated()
     return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
 
@@ -283,7 +347,7 @@ def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
         for i, key in enumerate(keys):
             if plan.piece(rank, i) is None or not saved.get(key):
                 continue
-            values = {k: local_piece(v) for k, v in saved[key].items()}
+            values = {k: local_piece(v) for k, v in from_dcp_form(saved[key], key).items()}
             states[i] = {k: v for k, v in values.items() if v is not None}
         packed, start = [], 0
         for g in groups:

@@ -21,6 +21,7 @@ import torch
 # also for the 0.2 paths oss_plus.state.group_offsets / local_view (oss_plus._moved), until 0.4
 from oss_plus.planning.partition import group_offsets, local_view
 from oss_plus.state.nested import map_tensors
+from oss_plus.state.subclass import clone_tensor
 
 __all__ = [
     "NOT_HYPER",
@@ -129,7 +130,7 @@ def local_state_dict(
         for offset, index in enumerate(members):
             if index in states:
                 state[position + offset] = {
-                    k: map_tensors(v, torch.Tensor.clone) if copy_tensors else v
+                    k: map_tensors(v, clone_tensor) if copy_tensors else v
                     for k, v in states[index].items()
                 }
         position += len(members)

@@ -11,7 +11,11 @@ The skeleton uses the type tags of the checkpoint format (``docs/checkpoint_form
 JSON's blind spots do not lose information: a tuple is ``{"tuple": [...]}``, a dict is
 ``{"dict": [[key, value], ...]}`` (keys of any JSON-able type), a float is
 ``{"float": 0.9}`` (``"inf"``, ``"-inf"``, ``"nan"`` as strings); None, bools, ints, strings
-and lists are themselves. Floats and ints survive exactly (``json`` writes ``repr``).
+and lists are themselves. Floats and ints survive exactly (``json`` writes ``repr``). A
+``torch.dtype`` is ``{"dtype": "float32"}``, a ``torch.Size`` ``{"size": [2, 3]}``, and a tensor
+subclass with torch's flatten protocol (torchao's low-bit optimizer states) a
+``{"subclass": ...}`` node whose inner tensors are placeholders like any other
+(:mod:`oss_plus.state.subclass`: only allow-listed classes are written and rebuilt).
 
 Example:
     >>> skeleton, tensors = flatten_value({"pre": [torch.ones(2)], "k": (1, None)})
@@ -31,12 +35,16 @@ from typing import Any
 
 import torch
 
+from oss_plus.state.subclass import is_plain, rebuild, split
+
 __all__ = [
+    "SUBCLASS_TAG",
     "TENSOR_TAG",
     "decode",
     "encode",
     "flatten_state",
     "flatten_value",
+    "holds_subclass",
     "map_tensors",
     "tensor_paths",
     "unflatten_state",
@@ -45,6 +53,12 @@ __all__ = [
 
 #: Tag of a tensor placeholder in a skeleton: ``{"tensor": n}`` is the ``n``-th tensor.
 TENSOR_TAG = "tensor"
+#: Tag of a tensor subclass (:mod:`oss_plus.state.subclass`): ``{"subclass": {"class": name,
+#: "tensors": [[attr, value], ...], "context": ..., "size": [...], "stride": [...]}}``.
+SUBCLASS_TAG = "subclass"
+
+#: Rebuilds a subclass node: ``(class name, inner by attr, context, size, stride, where)``.
+OnSubclass = Callable[[str, dict[str, Any], Any, list[int], list[int], str], Any]
 
 #: Raised for a value that has no JSON form.
 NOT_STORABLE = (
@@ -95,9 +109,15 @@ def encode(
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
-            return on_tensor(value, where)
+            if is_plain(value):
+                return on_tensor(value, where)
+            return _encode_subclass(value, where, walk)
         if value is None or isinstance(value, (bool, str)):
             return value
+        if isinstance(value, torch.dtype):
+            return {"dtype": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.Size):
+            return {"size": [int(s) for s in value]}
         if isinstance(value, float):
             return {"float": value if math.isfinite(value) else repr(value)}
         if isinstance(value, (list, tuple)):
@@ -121,12 +141,40 @@ def encode(
     return walk(value, where)
 
 
-def unflatten_value(skeleton: Any, tensors: Sequence[Any], where: str = "value") -> Any:
+def _encode_subclass(value: torch.Tensor, where: str, walk: Callable[[Any, str], Any]) -> Any:
+    """The ``{"subclass": ...}`` node of a tensor subclass (:mod:`oss_plus.state.subclass`):
+    its class, inner tensors (walked: placeholders, or nested subclasses), context, size
+    and stride."""
+    name, inner, context = split(value, where)
+
+    def no_tensor(tensor: torch.Tensor, at: str) -> Any:
+        raise TypeError(f"optimizer state {at} is a tensor inside a tensor subclass's context")
+
+    body = {
+        "class": name,
+        "tensors": [[attr, walk(t, f"{where}.{attr}")] for attr, t in inner],
+        "context": encode(context, f"{where} context", no_tensor),
+        "size": list(value.shape),
+        "stride": list(value.stride()),
+    }
+    return {SUBCLASS_TAG: body}
+
+
+def unflatten_value(
+    skeleton: Any,
+    tensors: Sequence[Any],
+    where: str = "value",
+    on_subclass: OnSubclass | None = None,
+) -> Any:
     """Rebuild the value :func:`flatten_value` split (tensors are used as they are).
 
+    A subclass node is rebuilt by :func:`oss_plus.state.subclass.rebuild` (allow-listed
+    classes only), or by ``on_subclass`` when given (e.g. to describe or check it).
+
     Raises:
-        ValueError: ``skeleton`` is not valid skeleton data, or names a tensor that
-            ``tensors`` lacks; the message names where.
+        ValueError: ``skeleton`` is not valid skeleton data, names a tensor that
+            ``tensors`` lacks, or a tensor subclass that is not allow-listed; the message
+            names where.
     """
 
     def tensor_at(body: Any, where: str) -> Any:
@@ -136,15 +184,26 @@ def unflatten_value(skeleton: Any, tensors: Sequence[Any], where: str = "value")
             raise ValueError(f"{where}: tensor {body} is missing (got {len(tensors)} tensors)")
         return tensors[body]
 
-    return decode(skeleton, where, TENSOR_TAG, tensor_at)
+    return decode(skeleton, where, TENSOR_TAG, tensor_at, on_subclass)
 
 
-def decode(data: Any, where: str, tensor_tag: str, on_tensor: Callable[[Any, str], Any]) -> Any:
-    """Decode what :func:`encode` produced; ``{tensor_tag: body}`` becomes ``on_tensor(body)``.
+def decode(
+    data: Any,
+    where: str,
+    tensor_tag: str,
+    on_tensor: Callable[[Any, str], Any],
+    on_subclass: OnSubclass | None = None,
+) -> Any:
+    """Decode what :func:`encode` produced; ``{tensor_tag: body}`` becomes ``on_tensor(body)``,
+    a subclass node ``on_subclass(...)`` (default :func:`oss_plus.state.subclass.rebuild`).
 
     Raises:
         ValueError: ``data`` is not valid tagged JSON data; the message names ``where``.
     """
+
+    def again(value: Any, at: str) -> Any:
+        return decode(value, at, tensor_tag, on_tensor, on_subclass)
+
     if data is None or isinstance(data, (bool, int, str)):
         return data
     if isinstance(data, float):  # lenient: an untagged JSON float
@@ -161,22 +220,50 @@ def decode(data: Any, where: str, tensor_tag: str, on_tensor: Callable[[Any, str
     if tag == "float" and body in ("inf", "-inf", "nan"):
         return float(body)
     if tag == "tuple" and isinstance(body, list):
-        return tuple(decode(v, f"{where}[{i}]", tensor_tag, on_tensor) for i, v in enumerate(body))
+        return tuple(again(v, f"{where}[{i}]") for i, v in enumerate(body))
     if tag == "dict" and isinstance(body, list) and all(_is_pair(kv) for kv in body):
         try:
-            return {
-                decode(k, where, tensor_tag, on_tensor): decode(
-                    v, f"{where}[{k!r}]", tensor_tag, on_tensor
-                )
-                for k, v in body
-            }
+            return {again(k, where): again(v, f"{where}[{k!r}]") for k, v in body}
         except TypeError:
             raise ValueError(f"{where}: a dict key is not hashable") from None
+    if tag == "dtype" and isinstance(body, str):
+        dtype = getattr(torch, body, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    if tag == "size" and isinstance(body, list) and all(_is_int(s) for s in body):
+        return torch.Size(body)
+    if tag == SUBCLASS_TAG and _is_subclass_body(body):
+        inner = {attr: again(v, f"{where}.{attr}") for attr, v in body["tensors"]}
+        context = decode(body["context"], f"{where} context", tensor_tag, _no_tensor)
+        build = on_subclass or rebuild
+        return build(body["class"], inner, context, body["size"], body["stride"], where)
     raise ValueError(f"{where}: unknown or malformed tag {tag!r} in {data!r}")
 
 
 def _is_pair(item: Any) -> bool:
     return isinstance(item, list) and len(item) == 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_subclass_body(body: Any) -> bool:
+    return (
+        isinstance(body, dict)
+        and set(body) == {"class", "tensors", "context", "size", "stride"}
+        and isinstance(body["class"], str)
+        and isinstance(body["tensors"], list)
+        and all(_is_pair(kv) and isinstance(kv[0], str) for kv in body["tensors"])
+        and all(
+            isinstance(x, list) and all(_is_int(s) for s in x)
+            for x in (body["size"], body["stride"])
+        )
+    )
+
+
+def _no_tensor(body: Any, where: str) -> Any:
+    raise ValueError(f"{where}: a tensor subclass's context holds no tensors")
 
 
 def flatten_state(
@@ -246,13 +333,34 @@ def _walk_paths(skeleton: Any, path: str, found: list[tuple[int, str]]) -> None:
             found.append((body, path))
         elif tag == "tuple":
             _walk_paths(body, path, found)
+        elif tag == SUBCLASS_TAG and isinstance(body, dict):
+            for attr, v in body.get("tensors", ()):
+                _walk_paths(v, join(attr), found)
         elif tag == "dict":
             for k, v in body:
                 _walk_paths(v, join(unflatten_value(k, [])), found)
 
 
+def holds_subclass(skeleton: Any) -> bool:
+    """Whether ``skeleton`` (of :func:`flatten_value`) holds a tensor-subclass node.
+
+    Example:
+        >>> holds_subclass(flatten_value([torch.ones(1)])[0])
+        False
+    """
+    if isinstance(skeleton, list):
+        return any(holds_subclass(v) for v in skeleton)
+    if isinstance(skeleton, dict) and len(skeleton) == 1:
+        ((tag, body),) = skeleton.items()
+        if tag == SUBCLASS_TAG:
+            return True
+        return tag in ("tuple", "dict") and holds_subclass(body)
+    return False
+
+
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Return ``value`` with ``fn`` applied to every tensor inside it (containers rebuilt).
+    """Return ``value`` with ``fn`` applied to every tensor inside it (containers rebuilt; a
+    tensor subclass is one tensor).
 
     Lists, tuples and dicts are rebuilt (a new object of the same kind, a tuple for tuple
     subclasses); other values are returned as they are.

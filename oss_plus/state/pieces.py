@@ -15,8 +15,16 @@ from typing import Any
 import torch
 
 from oss_plus.state.index import ParamState
+from oss_plus.state.subclass import is_plain
 
-__all__ = ["slice_state", "stitch_state"]
+__all__ = ["CANNOT_CUT", "slice_state", "stitch_state"]
+
+#: Raised by :func:`slice_state` for block-quantized state (a tensor subclass).
+CANNOT_CUT = (
+    "state {key!r} is a {kind}, block-quantized optimizer state: its quantization blocks do "
+    "not follow element ranges, so partition_rule='flat' cannot cut it into pieces; use "
+    "partition_rule='fairscale' or 'torch', which keep every parameter whole"
+)
 
 
 def _shaped_like(value: Any, shape: torch.Size) -> bool:
@@ -29,12 +37,19 @@ def slice_state(state: ParamState, shape: torch.Size, start: int, end: int) -> P
     Tensors shaped like the param become 1-D copies of the slice; every other value is
     kept (a 0-dim ``step``); the result shares no tensor with ``state`` that it sliced.
 
+    Raises:
+        TypeError: a tensor subclass shaped like the param (block-quantized state such as
+            torchao's ``OptimState8bit``), which has no exact element range.
+
     Example:
         >>> state = {"step": 3, "m": torch.arange(6.0).view(2, 3)}
         >>> s = slice_state(state, torch.Size([2, 3]), 2, 5)
         >>> s["step"], s["m"].tolist()
         (3, [2.0, 3.0, 4.0])
     """
+    for k, v in state.items():
+        if _shaped_like(v, shape) and not is_plain(v):
+            raise TypeError(CANNOT_CUT.format(key=k, kind=type(v).__name__))
     return {
         k: v.reshape(-1)[start:end].clone() if _shaped_like(v, shape) else v
         for k, v in state.items()

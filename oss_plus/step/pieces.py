@@ -56,8 +56,9 @@ ELEMENTWISE: set[type] = {
 NOT_ELEMENTWISE = (
     "partition_rule='flat' cuts parameters into pieces stepped on different ranks, which is "
     "exact only for optimizers whose update is elementwise ({known}); {name} is not known to "
-    "be (per-tensor norms as in LARS/LAMB, factored moments as in Adafactor or Shampoo's "
-    "preconditioners would change). If every update of {name} reads only the same element of "
+    "be (per-tensor norms as in LARS/LAMB, factored moments as in Adafactor, Shampoo's "
+    "preconditioners or the quantization blocks of 8-bit/4-bit/fp8 Adam would change). If "
+    "every update of {name} reads only the same element of "
     "the gradient and state, declare it with oss_plus.elementwise({name}); else use "
     "partition_rule='fairscale' or 'torch', which keep every parameter whole"
 )
