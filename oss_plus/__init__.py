@@ -15,6 +15,7 @@ from oss_plus.data_parallel import ShardedDataParallel
 from oss_plus.hybrid import HybridGroups, hybrid_groups
 from oss_plus.optimizer import OSS
 from oss_plus.planning.partition import ParamSpec, Rule, assign_owners
+from oss_plus.state.subclass import register_state_class
 from oss_plus.step.pieces import elementwise
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "elementwise",
     "hybrid_groups",
     "load_checkpoint",
+    "register_state_class",
     "save_checkpoint",
 ]
 __version__ = "0.3.0"

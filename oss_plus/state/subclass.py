@@ -62,13 +62,13 @@ CANNOT_TRAVEL = (
     "optimizer state {where} is a {kind}, a tensor subclass {reason}; oss_plus moves and saves "
     "tensor subclasses that implement __tensor_flatten__ / __tensor_unflatten__ and are known "
     "optimizer-state classes (torchao's OptimState8bit, OptimState4bit, OptimStateFp8, or one "
-    "registered with oss_plus.state.register_state_class)"
+    "registered with oss_plus.register_state_class)"
 )
 #: Raised when data names a class that is not on the allow-list (``where``, ``name``).
 UNKNOWN_CLASS = (
     "{where}: the state names tensor subclass {name!r}, which is not a known optimizer-state "
     "class: oss_plus rebuilds only torchao's OptimState8bit, OptimState4bit, OptimStateFp8 and "
-    "classes registered with oss_plus.state.register_state_class (it never imports a name "
+    "classes registered with oss_plus.register_state_class (it never imports a name "
     "read from data); register the class in this process before loading"
 )
 
