@@ -61,7 +61,8 @@ KIB, MIB = 2**10, 2**20
 def build_model(width: int, blocks: int = BLOCKS) -> torch.nn.Sequential:
     """The transformer-like model of the module doc (vocabulary ``16 * width``)."""
     torch.manual_seed(0)
-    d, layers = width, [torch.nn.Embedding(16 * width, width)]
+    d = width
+    layers: list[torch.nn.Module] = [torch.nn.Embedding(16 * width, width)]
     for _ in range(blocks):
         layers += [torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)]
         layers += [torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)]
