@@ -48,3 +48,27 @@ def test_planning_imports_nothing_of_torch_distributed():
     assert len(files) >= 8  # the scan found the package
     offenders = [f"{p.name}:{line}" for p in files for line in distributed_uses(p.read_text())]
     assert not offenders, "planning is pure (docs/design.md): " + ", ".join(offenders)
+
+
+def optional_imports(source: str) -> list[int]:
+    """Lines of ``source`` that import an optional optimizer package (torchao, bitsandbytes)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n.split(".")[0] in ("torchao", "bitsandbytes") for n in names):
+            found.append(node.lineno)
+    return found
+
+
+def test_planning_knows_low_bit_optimizers_by_table_only():
+    """``oss-plus plan --optimizer`` reads a table (planning/optim_state.py); the packages
+    are imported only by the bench and the tests that check the table."""
+    assert optional_imports("import torchao.optim\nfrom bitsandbytes import optim")
+    files = sorted(PLANNING.glob("*.py"))
+    offenders = [f"{p.name}:{line}" for p in files for line in optional_imports(p.read_text())]
+    assert not offenders, "planning is pure: " + ", ".join(offenders)

@@ -1,7 +1,7 @@
 """``oss-plus bench`` (``python -m oss_plus bench``): the benchmarks from the command line.
 
 The step benchmark by default; ``--ddp`` for full DDP iterations, ``--checkpoint`` for
-checkpoint save / load.
+checkpoint save / load, ``--state-memory`` for the optimizer-state bytes of low-bit optimizers.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 #: The benchmarks other than the step bench: flag -> (module, its own argv from ours).
-_OTHERS = ("ddp", "checkpoint", "async_checkpoint", "zero2")
+_OTHERS = ("ddp", "checkpoint", "async_checkpoint", "zero2", "state_memory")
 
 
 def _async_argv(args: argparse.Namespace) -> list[str]:
@@ -86,6 +86,10 @@ def _run(args: argparse.Namespace) -> int:
     if len(chosen) > 1:
         flags = " and ".join("--" + name.replace("_", "-") for name in chosen)
         raise ValueError(f"{flags} are different benchmarks: pick one")
+    if args.state_memory:
+        from oss_plus.bench import state_memory
+
+        return state_memory.main_from_args(args)
     if args.zero2:
         from oss_plus.bench import zero2
 
@@ -199,5 +203,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time blocking and asynchronous saves against torch.distributed.checkpoint "
         "instead (--size, --world-size; --rounds: timed runs; oss_plus.bench.async_ckpt)",
+    )
+    add(
+        "--state-memory",
+        action="store_true",
+        help="count the optimizer-state bytes per rank of low-bit optimizers (torchao "
+        "AdamW8bit/4bit/Fp8, bitsandbytes Adam(W)8bit) under OSS against AdamW, sharded and "
+        "unsharded, next to oss-plus plan's table (--impls from oss_plus.bench.state_memory."
+        "OPTIMIZERS, default adamw,adamw8bit,bnb-adamw8bit; --sweep-worlds, default 2,4; "
+        "--width of the transformer-like model, default 256)",
     )
     bench.set_defaults(func=_run)

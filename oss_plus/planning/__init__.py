@@ -15,17 +15,27 @@ from oss_plus.planning.model_specs import (
     specs_from_module,
     specs_from_shapes,
 )
+from oss_plus.planning.optim_state import OPTIMIZER_STATES, OptimizerState, optimizer_state
 from oss_plus.planning.partition import ParamSpec, Piece, Rule, assign_owners
 from oss_plus.planning.plan import ShardPlan, make_plan, plan_from_owners
 from oss_plus.planning.policy import Layout, LocalOrder, ShardPolicy, Transport
 from oss_plus.planning.report import BalanceRow, balance_rows, default_shard_sizes
-from oss_plus.planning.scale import ScaleRow, Topology, rank_loads, ring_bytes, scale_rows
+from oss_plus.planning.scale import (
+    ScaleRow,
+    Topology,
+    rank_loads,
+    rank_numels,
+    ring_bytes,
+    scale_rows,
+)
 
 __all__ = [
     "MODELS",
+    "OPTIMIZER_STATES",
     "BalanceRow",
     "Layout",
     "LocalOrder",
+    "OptimizerState",
     "ParamSpec",
     "Piece",
     "Rule",
@@ -41,9 +51,11 @@ __all__ = [
     "llama_shapes",
     "make_plan",
     "model_specs",
+    "optimizer_state",
     "parse_shapes",
     "plan_from_owners",
     "rank_loads",
+    "rank_numels",
     "read_shapes",
     "ring_bytes",
     "scale_rows",

@@ -36,6 +36,7 @@ from oss_plus.planning.model_specs import (
     specs_from_module,
     specs_from_shapes,
 )
+from oss_plus.planning.optim_state import OPTIMIZER_STATES, OptimizerState
 from oss_plus.planning.partition import ParamSpec, Rule
 from oss_plus.planning.scale import FLAT_ALIGN, ScaleRow, Topology, rank_loads, scale_rows
 
@@ -55,6 +56,13 @@ __all__ = [
     "specs_from_shapes",
 ]
 
+#: Optimizer-state bytes per element without --state-bytes or --optimizer (Adam: 2 x fp32).
+DEFAULT_STATE_BYTES = 8
+#: Raised for --optimizer together with --state-bytes, or without a topology.
+OPTIMIZER_FLAGS = (
+    "--optimizer sets the state bytes itself and goes with --nodes and --per-node: "
+    "give --optimizer or --state-bytes, not both, and a topology (e.g. --nodes 1 --per-node 8)"
+)
 #: Raised when no parameter would carry optimizer state.
 NO_TRAINABLE = "the model has no trainable parameters: nothing to partition"
 
@@ -192,7 +200,15 @@ def register(subparsers: Any) -> None:
         "--bytes", type=_one_int, default=4, help="bytes per parameter, gradient, wire element"
     )
     scale.add_argument(
-        "--state-bytes", type=_one_int, default=8, help="optimizer state per element (Adam: 8)"
+        "--state-bytes",
+        type=_one_int,
+        help=f"optimizer state per element (default {DEFAULT_STATE_BYTES}: Adam's two fp32)",
+    )
+    scale.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_STATES),
+        help="count each rank's state as this optimizer lays it out, tensor by tensor "
+        "(low-bit codes, block scales, fp32 for small tensors) instead of --state-bytes",
     )
     scale.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.set_defaults(func=_plan)
@@ -212,7 +228,10 @@ def _source_specs(args: argparse.Namespace) -> tuple[str, list[ParamSpec]]:
 
 def _plan(args: argparse.Namespace) -> int:
     name, specs = _source_specs(args)
-    if args.nodes is not None or args.per_node is not None:
+    topology = args.nodes is not None or args.per_node is not None
+    if args.optimizer is not None and (args.state_bytes is not None or not topology):
+        raise ValueError(OPTIMIZER_FLAGS)
+    if topology:
         return _scale(args, name, specs)
     rows = balance_rows(specs, args.world_sizes, args.rules, args.align)
     total = sum(s.numel for s in specs)
@@ -259,24 +278,48 @@ def _scale(args: argparse.Namespace, name: str, specs: list[ParamSpec]) -> int:
         )
     topology = Topology(args.nodes, args.per_node)
     sizes = args.shard_sizes or default_shard_sizes(topology)
+    state = OPTIMIZER_STATES[args.optimizer] if args.optimizer else None
+    width = DEFAULT_STATE_BYTES if args.state_bytes is None else args.state_bytes
     rows = scale_rows(
-        specs, topology, args.rules, sizes, args.bytes, args.state_bytes, args.backend, args.align
+        specs, topology, args.rules, sizes, args.bytes, width, args.backend, args.align, state
     )
     if args.json:
         report = {"source": name, "nodes": args.nodes, "per_node": args.per_node}
-        report |= {"bytes": args.bytes, "state_bytes": args.state_bytes, "backend": args.backend}
+        report |= {"bytes": args.bytes, "backend": args.backend}
+        report |= {"optimizer": args.optimizer, "state_bytes": None if state else width}
         print(json.dumps({**report, "rows": [r.as_dict() for r in rows]}, indent=2))
         return 0
     trainable = sum(s.numel for s in specs if s.trainable)
     print(
         f"{name}: {trainable:,} trainable elements, {args.nodes} nodes x {args.per_node} ranks, "
-        f"{args.bytes} B per param/grad/wire element, {args.state_bytes} B of state, "
+        f"{args.bytes} B per param/grad/wire element, {_state_words(state, width)}, "
         f"{args.backend}; GB = 1e9 bytes per rank (held) and per rank and step (sent)"
     )
+    if state is not None:
+        print(_state_line(state, specs))
     table = [["stage", "rule", "S", "params", "grads", "state", "intra-node", "inter-node"]]
     table += [_scale_cells(r) for r in rows]
     _print_table(table, left=2)
     return 0
+
+
+def _state_words(state: OptimizerState | None, width: int) -> str:
+    return f"{width} B of state" if state is None else f"{state.name} state"
+
+
+def _state_line(state: OptimizerState, specs: Sequence[ParamSpec]) -> str:
+    """What the optimizer keeps, and how much of the unsharded model stays in fp32."""
+    numels = [s.numel for s in specs if s.trainable and s.numel]
+    fallback = [n for n in numels if not state.quantized(n)]
+    total = state.rank_bytes(numels)
+    kept = sum(state.tensor_bytes(n) for n in fallback)
+    if state.bits == 32:
+        return f"state: {state.describe()}; unsharded {total / 1e9:,.2f} GB"
+    return (
+        f"state: {state.describe()}; unsharded {total / 1e9:,.2f} GB, of which "
+        f"{len(fallback)} of {len(numels)} tensors ({sum(fallback):,} elements) in fp32: "
+        f"{kept / 1e9:,.4f} GB"
+    )
 
 
 def _scale_cells(r: ScaleRow) -> list[str]:

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from oss_plus.planning.optim_state import OptimizerState
 from oss_plus.planning.partition import ParamSpec, Rule
 from oss_plus.planning.plan import make_plan
 from oss_plus.planning.policy import ShardPolicy
@@ -50,6 +51,7 @@ __all__ = [
     "ScaleRow",
     "Topology",
     "rank_loads",
+    "rank_numels",
     "ring_bytes",
     "scale_rows",
 ]
@@ -149,10 +151,28 @@ def rank_loads(
         >>> rank_loads([ParamSpec(10), ParamSpec(6)], 2, "torch")
         [10, 6]
     """
+    return [sum(numels) for numels in rank_numels(specs, world, rule, align)]
+
+
+def rank_numels(
+    specs: Sequence[ParamSpec], world: int, rule: Rule | str, align: int = FLAT_ALIGN
+) -> list[list[int]]:
+    """Per rank, the element counts of the trainable tensors its inner optimizer steps (whole
+    params, or their pieces under the flat rule), as :func:`rank_loads` plans them.
+
+    Example:
+        >>> rank_numels([ParamSpec(10), ParamSpec(6), ParamSpec(4)], 2, "fairscale")
+        [[10], [6, 4]]
+    """
     rule = Rule(rule)
     if rule is Rule.FLAT:
         specs = [dataclasses.replace(s, key=FLAT_KEY, align=align) for s in specs]
-    return make_plan([list(specs)], world, ShardPolicy(rule=rule)).rank_loads()
+    plan = make_plan([list(specs)], world, ShardPolicy(rule=rule))
+    numels: list[list[int]] = [[] for _ in range(world)]
+    for piece in sorted(plan.pieces, key=lambda p: (p.owner, p.index)):
+        if plan.trainable[piece.index] and piece.numel:
+            numels[piece.owner].append(piece.numel)
+    return numels
 
 
 def _sync_bytes(loads: Sequence[int], width: int, nccl: bool) -> float:
@@ -175,6 +195,7 @@ def scale_rows(
     state_width: int = 8,
     backend: str = "nccl",
     align: int = FLAT_ALIGN,
+    state: OptimizerState | None = None,
 ) -> list[ScaleRow]:
     """Every stage of the module doc at ``topology``: DDP, then per rule ZeRO-1, ZeRO-2 and
     both hybrids at each shard size, then FSDP ``HYBRID_SHARD`` at each shard size.
@@ -188,6 +209,10 @@ def scale_rows(
         state_width: optimizer-state bytes per trainable element (8: Adam's two fp32).
         backend: ``"nccl"`` (the sync's all_gather where ``auto`` picks it) or ``"gloo"``.
         align: the flat rule's alignment.
+        state: the optimizer's state layout
+            (:data:`~oss_plus.planning.optim_state.OPTIMIZER_STATES`): each rank's state is
+            then the sum of its tensors' costs, block scales and fp32 fallbacks included
+            (``state_width`` is not used).
 
     Raises:
         ValueError: a shard size that does not divide the world, an unknown rule.
@@ -202,8 +227,17 @@ def scale_rows(
     spans = topology.nodes > 1  # a group over every rank, or over the replicas, crosses nodes
 
     @functools.cache
+    def numels(rule: str, ranks: int) -> list[list[int]]:
+        return rank_numels(specs, ranks, rule, align)
+
     def loads(rule: str, ranks: int) -> list[int]:
-        return rank_loads(specs, ranks, rule, align)
+        return [sum(n) for n in numels(rule, ranks)]
+
+    def held(rule: str, ranks: int) -> int:
+        """The optimizer state of the most loaded rank."""
+        if state is None:
+            return max(loads(rule, ranks)) * state_width
+        return max(state.rank_bytes(n) for n in numels(rule, ranks))
 
     def row(
         stage: str, rule: str, shard: int, grads: int, state: int, links: list[tuple[bool, float]]
@@ -214,25 +248,28 @@ def scale_rows(
 
     grads = trainable * width
     all_reduce = (False, ring_bytes("all_reduce", world, grads))
-    rows = [row("ddp", "-", 1, grads, trainable * state_width, [all_reduce])]
+    rows = [row("ddp", "-", 1, grads, held(Rule.FAIRSCALE.value, 1), [all_reduce])]
     for rule in (Rule(r).value for r in rules):
-        most = max(loads(rule, world))
+        most, kept = max(loads(rule, world)), held(rule, world)
         sync = (False, _sync_bytes(loads(rule, world), width, nccl))
-        rows.append(row("zero1", rule, world, grads, most * state_width, [all_reduce, sync]))
+        rows.append(row("zero1", rule, world, grads, kept, [all_reduce, sync]))
         reduce = (False, ring_bytes("reduce_scatter", world, grads))
-        rows.append(row("zero2", rule, world, most * width, most * state_width, [reduce, sync]))
+        rows.append(row("zero2", rule, world, most * width, kept, [reduce, sync]))
         for size in sizes:
             inside = topology.shard_inside_node(size)
-            most = max(loads(rule, size))
+            most, kept = max(loads(rule, size)), held(rule, size)
             sync = (inside, _sync_bytes(loads(rule, size), width, nccl))
-            state = most * state_width
-            rows.append(row("hybrid-zero1", rule, size, grads, state, [all_reduce, sync]))
+            rows.append(row("hybrid-zero1", rule, size, grads, kept, [all_reduce, sync]))
             reduce = (inside, ring_bytes("reduce_scatter", size, grads))
             replicas = (False, ring_bytes("all_reduce", world // size, most * width))
             links = [reduce, replicas, sync]
-            rows.append(row("hybrid-zero2", rule, size, most * width, state, links))
+            rows.append(row("hybrid-zero2", rule, size, most * width, kept, links))
     for size in sizes:
-        rows.append(_fsdp_hybrid(topology, size, trainable, total, width, state_width))
+        fsdp = _fsdp_hybrid(topology, size, trainable, total, width, state_width)
+        if state is not None:  # FSDP2 shards every param on dim 0: about numel / S each
+            pieces = [-(-s.numel // size) for s in specs if s.trainable and s.numel]
+            fsdp = dataclasses.replace(fsdp, state=state.rank_bytes(pieces))
+        rows.append(fsdp)
     return rows
 
 
