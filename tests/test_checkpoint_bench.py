@@ -64,3 +64,22 @@ def test_dcp_rows_write_each_rank_its_own_share(tmp_path):
         assert all(0.2 * state_mb < mb < 0.8 * state_mb for mb in m["rank_mb"]), m["rank_mb"]
         assert state_mb <= sum(m["rank_mb"]) < 1.5 * state_mb  # DCP adds its own records
     assert "| oss_plus dcp |" in checkpoint_bench.table(summary)
+
+
+def test_report_gives_the_same_flow_row_over_fairscale():
+    """``oss_plus torch.save`` (consolidate + torch.save, fairscale's flow) is reported as a
+    ratio of fairscale's time in the same run (issue 45's measure)."""
+    summary = {"fairscale": _measured(0.5), "oss_plus torch.save": _measured(0.2)}
+    text = checkpoint_bench.table(summary)
+    assert "oss_plus torch.save: 0.40x fairscale's save time (median), 0.40x (best)" in text
+    assert checkpoint_bench.same_flow_lines({"fairscale": _measured(0.5)}) == []
+
+
+def test_same_flow_row_saves_a_torch_file_that_loads(tmp_path):
+    tiny = ["--size", "0.01", "--world-size", "2", "--steps", "1", "--rounds", "1"]
+    impls = "fairscale,oss_plus torch.save"
+    assert main(["bench", "--checkpoint", *tiny, "--impls", impls, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "checkpoint_bench.json").read_text())
+    ours, theirs = summary["oss_plus torch.save"], summary["fairscale"]
+    assert ours["load_s"] > 0 and ours["rank_mb"][1] == 0.0  # rank 0 writes the one file
+    assert abs(ours["size_mb"] - theirs["size_mb"]) < 0.05 * theirs["size_mb"]

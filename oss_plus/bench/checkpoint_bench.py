@@ -58,6 +58,8 @@ FLOORS = {
 }
 #: The implementation the targets are measured against.
 BASELINE = "fairscale"
+#: oss_plus's consolidate + torch.save, the same flow as the baseline's (issue 45's measure).
+SAME_FLOW = "oss_plus torch.save"
 
 
 def _timed(fn: Callable[[], None]) -> tuple[float, int, float]:
@@ -206,8 +208,20 @@ def table(summary: dict[str, Any]) -> str:
             f"{m['load_extra_mb']:.0f} MB | {m['size_mb']:.0f} MB | "
             f"{' / '.join(f'{x:.1f}' for x in m.get('rank_mb', []))} MB |"
         )
-    lines += ["", *floor_lines(summary)]
+    lines += ["", *same_flow_lines(summary), *floor_lines(summary)]
     return "\n".join(lines)
+
+
+def same_flow_lines(summary: dict[str, Any]) -> list[str]:
+    """oss_plus's consolidate + ``torch.save`` over the baseline's, the same flow, this run."""
+    m, base = summary.get(SAME_FLOW, {}), summary.get(BASELINE, {})
+    if "save_s" not in m or "save_s" not in base:
+        return []
+    return [
+        f"{SAME_FLOW}: {m['save_s'] / base['save_s']:.2f}x {BASELINE}'s save time (median), "
+        f"{m['save_best'] / base['save_best']:.2f}x (best), consolidate_state_dict(0) + "
+        "torch.save on rank 0 in both"
+    ]
 
 
 def floor_lines(summary: dict[str, Any]) -> list[str]:

@@ -6,6 +6,9 @@ square linear layers, Adam):
 * ``fairscale``: ``consolidate_state_dict(recipient_rank=0)`` then ``torch.save`` on rank 0;
   loading is ``torch.load`` + ``load_state_dict`` on every rank;
 * ``torch ZeRO``: ``consolidate_state_dict(to=0)`` then ``torch.save`` on rank 0; same load;
+* ``oss_plus torch.save``: oss_plus's ``consolidate_state_dict(recipient_rank=0)`` then
+  ``torch.save`` on rank 0, the same flow and file as fairscale's (issue 45's measure of the
+  consolidation); same load;
 * ``oss_plus sharded`` / ``oss_plus consolidated``: ``save_checkpoint(sharded=...)`` and
   ``load_checkpoint``. These fsync every file before committing; ``torch.save`` does not.
 * ``oss_plus dcp`` / ``DDP + Adam dcp``: ``torch.distributed.checkpoint``'s flow
@@ -45,6 +48,7 @@ __all__ = [
 IMPLEMENTATIONS = (
     "fairscale",
     "torch ZeRO",
+    "oss_plus torch.save",
     "oss_plus sharded",
     "oss_plus consolidated",
     *dcp_ckpt.IMPLEMENTATIONS,
@@ -117,10 +121,10 @@ def save(impl: str, opt: Any, path: str, rank: int, model: torch.nn.Module) -> N
     if impl.startswith("disk floor"):
         floor_save(opt, path, rank, impl.endswith("sharded"))
         return
-    if impl.startswith("oss_plus"):
+    if impl in ("oss_plus sharded", "oss_plus consolidated"):
         save_checkpoint(opt, path, sharded=impl.endswith("sharded"))
         return
-    if impl == "fairscale":
+    if impl in ("fairscale", "oss_plus torch.save"):
         opt.consolidate_state_dict(recipient_rank=0)
     else:
         opt.consolidate_state_dict(to=0)
@@ -132,7 +136,7 @@ def save(impl: str, opt: Any, path: str, rank: int, model: torch.nn.Module) -> N
 def load(impl: str, opt: Any, path: str, model: torch.nn.Module) -> None:
     if impl in dcp_ckpt.IMPLEMENTATIONS:
         dcp_ckpt.load(opt, model, path)
-    elif impl.startswith("oss_plus"):
+    elif impl in ("oss_plus sharded", "oss_plus consolidated"):
         load_checkpoint(opt, path)
     else:
         file = os.path.join(path, "optim.pt")
