@@ -213,7 +213,7 @@ def test_the_index_round_trips_through_its_json_text():
     ("change", "message"),
     [
         ({"format": "other"}, "not an oss_plus checkpoint index"),
-        ({"format_version": 4}, "format version 4.*reads versions 1, 2, 3 only.*upgrade oss_plus"),
+        ({"format_version": 5}, "format version 5.*reads versions 1, 2, 3, 4 only.*upgrade"),
         ({"format_version": True}, "format version True.*damaged"),
         ({"format_version": "1"}, "format version '1'.*damaged"),
         ({"layout": "striped"}, "unknown layout"),

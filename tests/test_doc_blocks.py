@@ -1,5 +1,5 @@
 """Run every ```python block of README.md, docs/migration.md, overlap.md, zero2.md,
-partition.md, checkpoints.md and performance.md.
+partition.md, checkpoints.md, performance.md and lowbit.md.
 
 Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
 is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
@@ -15,8 +15,10 @@ docs/quickstart.md and docs/amp.md are run by tests/test_examples.py and tests/t
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
 import io
+import json
 import os
 import subprocess
 import sys
@@ -257,6 +259,29 @@ def check_zero2(ns: dict, out: str) -> None:
     assert same_on_every_rank(flat_params(ns["net"]))
 
 
+def check_lowbit(ns: dict, out: str) -> None:
+    from torchao.optim import AdamW8bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from oss_plus.state.nested import flatten_value
+
+    def same(a: Any, b: Any) -> bool:  # the same skeleton (classes, contexts), equal tensors
+        (sa, ta), (sb, tb) = flatten_value(a), flatten_value(b)
+        return sa == sb and len(ta) == len(tb) and all(map(torch.equal, ta, tb))
+
+    opt, resumed = ns["opt"], ns["resumed"]
+    assert any(isinstance(v, OptimState8bit) for s in opt.optim.state.values() for v in s.values())
+    whole = opt.state_dict(all_ranks=True)["state"]
+    assert sum(isinstance(v, OptimState8bit) for s in whole.values() for v in s.values()) == 4
+    assert same(resumed.state_dict(all_ranks=True)["state"], whole)
+    assert json.loads(Path("ckpt/lowbit/index.json").read_text())["format_version"] == 4
+    if rank() == 0:
+        plain = AdamW8bit(copy.deepcopy(ns["model"].module).parameters(), lr=1e-3)
+        plain.load_state_dict(torch.load("optim.pt", weights_only=False))
+        params = [p for g in plain.param_groups for p in g["params"]]
+        assert same({i: plain.state[p] for i, p in enumerate(params)}, whole)
+
+
 def check_auto_refresh_off(ns: dict, out: str) -> None:
     opt, model = ns["opt"], ns["model"]
     assert opt.auto_refresh is False and opt.plan.trainable == (False, True)
@@ -285,9 +310,10 @@ CHECKS: dict[str, list[Check]] = {
     "checkpoints.md": [check_checkpoint_api, check_async_save, check_dcp],
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],
+    "lowbit.md": [check_lowbit],
 }
 #: Pages whose blocks use a package oss_plus does not depend on (skipped without it).
-NEEDS = {"migration.md": "fairscale"}
+NEEDS = {"migration.md": "fairscale", "lowbit.md": "torchao"}
 #: Files each page must have written, relative to its working directory (the tmp_path).
 WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
@@ -303,7 +329,11 @@ WRITES = {
     ],
     "README.md": ["optim.pt"],
     "performance.md": [],
+    "lowbit.md": ["ckpt/lowbit/index.json", "optim.pt"],
 }
+#: Pages that call torch.compile through a library (torchao's step): run eagerly, the same
+#: state in seconds instead of a compile per tensor shape (tens of seconds on a CPU).
+EAGER = {"lowbit.md"}
 
 
 def page_path(page: str) -> Path:
@@ -329,6 +359,8 @@ def run_page(page: str) -> None:
     assert len(blocks) == len(checks), f"{page}: {len(blocks)} blocks, {len(checks)} checks"
     ns: dict[str, Any] = {"__name__": "__main__"}
     destroy, dist.destroy_process_group = dist.destroy_process_group, lambda group=None: None
+    if page in EAGER:
+        torch.compile = lambda model=None, **_: model  # type: ignore[assignment]
     for block, check in zip(blocks, checks):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

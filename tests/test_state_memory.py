@@ -152,7 +152,7 @@ def test_bench_refuses_an_unknown_optimizer(capsys):
 # ------------------------------------------------------------------ oss-plus plan --optimizer
 def _plan_json(capsys, *flags: str) -> dict:
     argv = ["plan", "--model", "llama2-7b", "--nodes", "1", "--per-node", "8", "--json"]
-    assert main([*argv, "--rules", "flat", "--shard-sizes", "8", *flags]) == 0
+    assert main([*argv, "--rules", "fairscale", "--shard-sizes", "8", *flags]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -168,6 +168,17 @@ def test_plan_counts_llama_state_tensor_by_tensor(capsys):
     assert 0.25 < ratio < 0.26
     default = {r["stage"]: r for r in _plan_json(capsys)["rows"]}
     assert default["ddp"]["state"] == 8 * elements  # --state-bytes 8, as before
+
+
+def test_plan_shows_no_flat_rows_for_a_block_quantized_optimizer(capsys):
+    """OSS refuses block-quantized optimizers under the flat rule: plan says so instead."""
+    argv = ["plan", "--model", "llama2-7b", "--nodes", "1", "--per-node", "8", "--rules"]
+    assert main([*argv, "fairscale,flat", "--optimizer", "adamw8bit"]) == 0
+    out = capsys.readouterr().out
+    assert "OSS refuses adamw8bit under partition_rule='flat'" in out
+    assert not [line for line in out.splitlines() if line.split()[1:2] == ["flat"]]
+    assert main([*argv, "flat", "--optimizer", "adamw", "--json"]) == 0
+    assert {r["rule"] for r in json.loads(capsys.readouterr().out)["rows"]} >= {"flat"}
 
 
 def test_plan_names_the_optimizer_and_refuses_both_flags(capsys):

@@ -179,6 +179,28 @@ def test_torchao_states_are_known_and_round_trip_exactly():
         assert torch.equal(rebuilt.dequantize(), value.dequantize())
 
 
+def test_a_file_round_trip_needs_version_4_and_the_class_on_the_list(tmp_path):
+    from oss_plus.checkpoint import read_state_dict, write_state_dict
+
+    sd = {"state": {0: {"m": scaled([1.0, 2.0]), "step": 3}}, "param_groups": [{"params": [0]}]}
+    write_state_dict(sd, tmp_path / "ck")
+    index = json.loads((tmp_path / "ck" / "index.json").read_text())
+    assert index["format_version"] == 4
+    assert index["state"]["0"]["m"]["tensors"][0]["name"] == "state.0.m/payload"
+    back = read_state_dict(tmp_path / "ck")
+    assert same_scaled(back["state"][0]["m"], sd["state"][0]["m"])
+    saved = subclass_module._REGISTERED.pop(class_name(Scaled))
+    try:
+        with pytest.raises(ValueError, match=f"tensor subclass '{class_name(Scaled)}'"):
+            read_state_dict(tmp_path / "ck")
+    finally:
+        subclass_module._REGISTERED[class_name(Scaled)] = saved
+    index["format_version"] = 3  # what a version-3 reader would misread
+    (tmp_path / "ck" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="a tensor subclass in a version-3 index"):
+        read_state_dict(tmp_path / "ck")
+
+
 # ------------------------------------------------------------------ every rank
 def make_opt(ctx, rule="fairscale"):
     torch.manual_seed(0)

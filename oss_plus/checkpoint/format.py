@@ -291,6 +291,13 @@ class Index:
                     if data["format_version"] < 3:
                         raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
                     check_pieces(entry, f"{where}: state {i} key {key!r}")
+                version = data["format_version"]
+                if (
+                    version < 4
+                    and isinstance(entry, NestedValue)
+                    and holds_subclass(entry.skeleton)
+                ):
+                    raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
         index = cls(
             layout=data["layout"],
             save_id=str(data["save_id"]),

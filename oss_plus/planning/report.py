@@ -63,6 +63,11 @@ OPTIMIZER_FLAGS = (
     "--optimizer sets the state bytes itself and goes with --nodes and --per-node: "
     "give --optimizer or --state-bytes, not both, and a topology (e.g. --nodes 1 --per-node 8)"
 )
+#: Printed instead of the flat rule's rows for a block-quantized optimizer.
+FLAT_REFUSED = (
+    "flat: no rows; OSS refuses {name} under partition_rule='flat' (its quantization blocks "
+    "do not follow the flat rule's element ranges; docs/lowbit.md)"
+)
 #: Raised when no parameter would carry optimizer state.
 NO_TRAINABLE = "the model has no trainable parameters: nothing to partition"
 
@@ -280,8 +285,12 @@ def _scale(args: argparse.Namespace, name: str, specs: list[ParamSpec]) -> int:
     sizes = args.shard_sizes or default_shard_sizes(topology)
     state = OPTIMIZER_STATES[args.optimizer] if args.optimizer else None
     width = DEFAULT_STATE_BYTES if args.state_bytes is None else args.state_bytes
+    rules = list(args.rules)
+    refused = state is not None and state.bits < 32 and Rule.FLAT in rules
+    if refused:  # OSS refuses block-quantized optimizers under the flat rule
+        rules.remove(Rule.FLAT)
     rows = scale_rows(
-        specs, topology, args.rules, sizes, args.bytes, width, args.backend, args.align, state
+        specs, topology, rules, sizes, args.bytes, width, args.backend, args.align, state
     )
     if args.json:
         report = {"source": name, "nodes": args.nodes, "per_node": args.per_node}
@@ -297,6 +306,8 @@ def _scale(args: argparse.Namespace, name: str, specs: list[ParamSpec]) -> int:
     )
     if state is not None:
         print(_state_line(state, specs))
+    if refused:
+        print(FLAT_REFUSED.format(name=args.optimizer))
     table = [["stage", "rule", "S", "params", "grads", "state", "intra-node", "inter-node"]]
     table += [_scale_cells(r) for r in rows]
     _print_table(table, left=2)

@@ -124,7 +124,7 @@ def known_class(name: str) -> type | None:
         return None
     module, attr = KNOWN_STATE_CLASSES[name]
     try:
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(
             f"the state holds {name}, which needs torchao: pip install torchao ({exc})"
