@@ -297,3 +297,57 @@ def test_every_state_path_matches_the_unsharded_optimizer(pool, tmp_path, case):
     )
     assert pool.run(reshard_task, case, str(tmp_path), world_size=1, timeout=120) == [True]
     assert pool.run(reshard_task, case, str(tmp_path), world_size=3, timeout=120) == [True] * 3
+
+
+def repartition_task(ctx, case):
+    """A trainability change repartitions (state moves between ranks): freeze the first
+    weight for a step, then train it again, as the unsharded optimizer does (no grad: no
+    update, its state kept)."""
+    cls, kwargs = CASES[case][1]()
+    with eager():
+        ref_model = make_model()
+        ref = cls(ref_model.parameters(), **kwargs)
+        model, opt = fresh(case, ctx.group, params_of=make_model())
+        for m, o in ((ref_model, ref), (model, opt)):
+            train(m, o, 2)
+            m[0].weight.requires_grad_(False)
+            m[0].weight.grad = None
+            train(m, o, 1, start=2)
+            m[0].weight.requires_grad_(True)
+            train(m, o, 2, start=3)
+        same_params(model, ref_model)
+        same(opt.state_dict(all_ranks=True)["state"], held(ref)["state"])
+    return True
+
+
+def adapters_task(ctx, case):
+    """The fairscale and torch adapters load the plain class's state dict and consolidate the
+    state it holds."""
+    from oss_plus.compat.fairscale import OSS as FairscaleOSS
+    from oss_plus.compat.torch import ZeroRedundancyOptimizer
+
+    (saved_model, saved_sd, own_sd), _ = reference(case)
+    cls, kwargs = CASES[case][1]()
+    with eager():
+        for kind in ("fairscale", "torch"):
+            model = copy.deepcopy(saved_model)
+            if kind == "fairscale":
+                opt = FairscaleOSS(model.parameters(), optim=cls, group=ctx.group, **kwargs)
+            else:
+                opt = ZeroRedundancyOptimizer(model.parameters(), cls, ctx.group, **kwargs)
+            opt.load_state_dict(own_sd)  # the plain class's own state dict
+            opt.consolidate_state_dict(0)
+            if ctx.rank == 0:
+                same(opt.state_dict()["state"], saved_sd["state"])
+            train(model, opt, 1, start=SAVED)
+    return True
+
+
+@pytest.mark.parametrize("case", case_params())
+def test_state_moves_exactly_when_trainability_changes(pool, case):
+    assert pool.run(repartition_task, case, world_size=2) == [True, True]
+
+
+@pytest.mark.parametrize("case", case_params(["torchao-AdamW8bit", "bnb-AdamW8bit"]))
+def test_the_adapters_carry_low_bit_state(pool, case):
+    assert pool.run(adapters_task, case, world_size=2) == [True, True]
