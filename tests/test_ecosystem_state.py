@@ -45,6 +45,12 @@ from oss_plus.checkpoint import load_checkpoint, save_checkpoint
 from oss_plus.state.subclass import is_plain
 
 SAVED, MORE = 3, 2
+#: torch DCP's state-dict options the saves and loads go through, by checkpoint name.
+DCP_OPTIONS = {
+    "dcp": {},
+    "dcp-full": {"full_state_dict": True},
+    "dcp-flat-keys": {"flatten_optimizer_state_dict": True},
+}
 
 
 def _torchao(name: str):
@@ -233,8 +239,7 @@ def paths_task(ctx, case, root):
         future = save_checkpoint(opt, os.path.join(root, "async"), blocking=False)
         train(model, opt, 1, start=SAVED)  # the async save holds the state at the call
         future.result(timeout=60)
-        for options in ({}, {"full_state_dict": True}):
-            name = "dcp-full" if options else "dcp"
+        for name, options in DCP_OPTIONS.items():
             m, o = fresh(case, ctx.group, params_of=make_model())
             train(m, o, SAVED)  # the state opt had at the other saves
             model_sd, optim_sd = get_state_dict(m, o, options=StateDictOptions(**options))
@@ -264,8 +269,7 @@ def load_everywhere(ctx, case, root, saved_model, want):
         model, opt = fresh(case, ctx.group, params_of=saved_model)
         load_checkpoint(opt, os.path.join(root, name))
         check_resumed(model, opt, want)
-    for options in ({}, {"full_state_dict": True}):
-        name = "dcp-full" if options else "dcp"
+    for name, options in DCP_OPTIONS.items():
         model, opt = fresh(case, ctx.group, params_of=saved_model)
         sd_options = StateDictOptions(**options)
         model_sd, optim_sd = get_state_dict(model, opt, options=sd_options)

@@ -35,7 +35,8 @@ by shard:
   which DCP cannot save, is handed over in both forms as a dict (:func:`to_dcp_form`): its
   inner plain tensors by path (``"codes"``, ``"scale"``, ``"qmap"``), live, so ``dcp.load``
   fills them in place, and under :data:`SUBCLASS_KEY` its class, context and shape as JSON
-  text. ``load_state_dict()`` rebuilds it (allow-listed classes only).
+  (the bytes of a uint8 tensor: DCP's flattened form holds no strings).
+  ``load_state_dict()`` rebuilds it (allow-listed classes only).
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ def agreed_state(optimizer: Any) -> LocalState:
 # --------------------------------------------------------------------------- subclasses
 def to_dcp_form(state: ParamState, where: str) -> ParamState:
     """``state`` with every tensor-subclass value as its DCP form: a dict of its inner plain
-    tensors by path (live: not copied) and its JSON description under :data:`SUBCLASS_KEY`.
+    tensors by path (live: not copied) and under :data:`SUBCLASS_KEY` its JSON description,
+    as the UTF-8 bytes of a uint8 tensor (DCP's flattened form holds tensors, ints, floats and
+    dicts only).
 
     Raises:
         TypeError: a subclass that cannot travel (:func:`oss_plus.state.subclass.split`).
@@ -177,10 +180,8 @@ def to_dcp_form(state: ParamState, where: str) -> ParamState:
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and not is_plain(value):
             skeleton, tensors = flatten_value(value, f"{where}[{key!r}]")
-            value = {
-                SUBCLASS_KEY: json.dumps(skeleton),
-                **dict(zip(tensor_paths(skeleton), tensors)),
-            }
+            text = torch.frombuffer(bytearray(json.dumps(skeleton).encode()), dtype=torch.uint8)
+            value = {SUBCLASS_KEY: text, **dict(zip(tensor_paths(skeleton), tensors))}
         out[key] = value
     return out
 
@@ -196,7 +197,13 @@ def from_dcp_form(state: Mapping[str, Any], where: str) -> ParamState:
     for key, value in state.items():
         if isinstance(value, Mapping) and SUBCLASS_KEY in value:
             at = f"{where}[{key!r}]"
-            skeleton = json.loads(value[SUBCLASS_KEY])
+            text = value[SUBCLASS_KEY]
+            if isinstance(text, torch.Tensor):
+                text = bytes(text.detach().cpu().numpy()).decode()
+            try:
+                skeleton = json.loads(text)
+            except (TypeError, ValueError):
+                raise ValueError(f"{at}: a malformed tensor-subclass description") from None
             missing = [p for p in tensor_paths(skeleton) if p not in value]
             if missing:
                 raise ValueError(f"{at}: the tensor subclass's inner tensors {missing} are missing")
@@ -275,7 +282,7 @@ def _add_placeholders(state: dict[int, ParamState], group: Any) -> None:
 
 def _kind(value: Any) -> str | None:
     """What :func:`_add_placeholders` stands in for ``value`` with: a dtype, a subclass's
-    DCP form (its JSON text only: torch copies a tensor only where the template has it)."""
+    DCP form (its description only: torch copies a tensor only where the template has it)."""
     if isinstance(value, torch.Tensor):
         return str(value.dtype)
     return SUBCLASS_KEY if isinstance(value, Mapping) and SUBCLASS_KEY in value else None
@@ -283,7 +290,7 @@ def _kind(value: Any) -> str | None:
 
 def _placeholder(kind: str | None) -> Any:
     if kind == SUBCLASS_KEY:
-        return {SUBCLASS_KEY: ""}
+        return {SUBCLASS_KEY: torch.zeros(0, dtype=torch.uint8)}
     return torch.zeros((), dtype=getattr(torch, kind[6:])) if kind else None
 
 
