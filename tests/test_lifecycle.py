@@ -1,12 +1,13 @@
 """Every process of a full training lifecycle exits 0: no abort at interpreter exit.
 
-20 fresh 2-rank runs (4 in the default suite; ``FULL`` below) of tests/lifecycle.py (``init_process_group``, ``OSS`` under
-``ShardedDataParallel``, a second ``OSS`` stepped in DDP's comm hook, a blocking and an
-asynchronous ``save_checkpoint``, ``destroy_process_group()``, exit), each rank its own
-interpreter, fairscale's pattern (``mp.spawn``, a file store, ``OSS`` + SDP) a few times, and
-10 runs of the ZeRO-2-only script that exits right after a ``backward()`` with no step.
-A rank that aborts (SIGABRT, "terminate called without an active exception"), dies on a
-signal or exits non-zero fails the test with its stderr; nothing is rerun.
+20 fresh 2-rank runs (4 in the default suite; ``FULL`` below) of tests/lifecycle.py
+(``init_process_group``, ``OSS`` under ``ShardedDataParallel``, a second ``OSS`` stepped in
+DDP's comm hook, a blocking and an asynchronous ``save_checkpoint``,
+``destroy_process_group()``, exit), each rank its own interpreter, fairscale's pattern
+(``mp.spawn``, a file store, ``OSS`` + SDP) a few times, and 10 runs (2) of the ZeRO-2-only
+script that exits right after a ``backward()`` with no step. A rank that aborts (SIGABRT,
+"terminate called without an active exception"), dies on a signal or exits non-zero fails
+the test with its stderr; nothing is rerun.
 """
 
 from __future__ import annotations

@@ -319,3 +319,32 @@ def flat_task(ctx):
 def test_the_flat_rule_refuses_block_quantized_optimizers(pool):
     for text in pool.run(flat_task, world_size=2):
         assert "AdamW8bit is not known to be" in text and "quantization blocks" in text, text
+
+
+def odd_dtypes_task(ctx):
+    """State of dtypes gloo cannot move (float8, int16, uint16/32/64) consolidates bit for bit."""
+    _, opt = make_opt(ctx)
+    names = ["float8_e4m3fn", "float8_e5m2", "int16", "uint16", "uint32", "uint64"]
+    dtypes = [getattr(torch, n) for n in names if hasattr(torch, n)]
+    values = torch.arange(-8, 8, dtype=torch.float32) * 0.37
+    extra = {}
+    for dtype in dtypes:
+        source = values.abs() * 1000 if not dtype.is_floating_point else values
+        extra[str(dtype)] = (
+            source.to(dtype) if dtype.is_floating_point else source.to(torch.int64).to(dtype)
+        )
+    for state in opt.optim.state.values():
+        state.update({k: v.clone() for k, v in extra.items()})
+    whole = opt.state_dict(all_ranks=True)["state"]
+    for state in whole.values():
+        for key, value in extra.items():
+            got = state[key]
+            assert got.dtype == value.dtype and torch.equal(
+                got.view(torch.uint8), value.view(torch.uint8)
+            ), key
+    return len(whole), len(dtypes)
+
+
+def test_state_of_dtypes_gloo_cannot_move_consolidates_bit_for_bit(pool):
+    (n, kinds), _ = pool.run(odd_dtypes_task, world_size=2)
+    assert n == 4 and kinds >= 3

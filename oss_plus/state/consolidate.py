@@ -44,22 +44,23 @@ CPU = torch.device("cpu")
 PACK_BYTES = 16 << 20
 #: Tensors at least this large travel alone, without a packing copy.
 ALONE_BYTES = 1 << 20
-#: dtypes some backends cannot move (gloo: float8, the wide unsigned ints; torchao's
-#: ``AdamWFp8`` keeps float8 codes), sent bit for bit as the signed ints of their width.
-AS_INTEGERS: dict[torch.dtype, torch.dtype] = {
-    dtype: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+#: dtypes some backends cannot move (gloo: float8, int16 and the wide unsigned ints; torchao's
+#: ``AdamWFp8`` keeps float8 codes), sent bit for bit as their bytes (uint8).
+AS_BYTES: frozenset[torch.dtype] = frozenset(
+    dtype
     for name in (
         "float8_e4m3fn",
         "float8_e4m3fnuz",
         "float8_e5m2",
         "float8_e5m2fnuz",
         "float8_e8m0fnu",
+        "int16",
         "uint16",
         "uint32",
         "uint64",
     )
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
-}
+)
 
 
 @dataclass(frozen=True)
@@ -207,9 +208,12 @@ def _move_run(
     if rank == head.src:
         parts = [sources[t.index][n].detach().reshape(-1) for t, n, _ in run]
         buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
-        buffer = buffer.to(device).contiguous().view(AS_INTEGERS.get(dtype, dtype))
+        buffer = buffer.to(device).contiguous()
+        buffer = buffer.view(torch.uint8) if dtype in AS_BYTES else buffer
+    elif dtype in AS_BYTES:
+        buffer = torch.empty(sum(numels) * dtype.itemsize, dtype=torch.uint8, device=device)
     else:
-        buffer = torch.empty(sum(numels), dtype=AS_INTEGERS.get(dtype, dtype), device=device)
+        buffer = torch.empty(sum(numels), dtype=dtype, device=device)
     src = global_rank(group, head.src)
     with torch.profiler.record_function("oss_plus::exchange_states"), released(group, buffer):
         if head.dst == ALL_RANKS:
