@@ -42,6 +42,7 @@ import torch.distributed as dist
 from oss_plus.bench import dcp_ckpt
 from oss_plus.bench.checkpoint_impls import (
     IMPLEMENTATIONS,
+    PHASES,
     available,
     build_model,
     build_optimizer,
@@ -91,6 +92,7 @@ def _rank_main(
     for _ in range(reps + 1):  # the first is a warm-up: its time is not counted, its RSS is
         saves.append(_timed(functools.partial(save, impl, opt, path, rank, model)))
     warmup, saves = saves[0], saves[1:]
+    phases = PHASES[1:]  # rank 0's split of the timed saves (the warm-up's dropped)
     dist.barrier()  # every rank has removed its share of the replaced files
     size = sum(f.stat().st_size for f in Path(path).iterdir()) if rank == 0 else 0
     written = dcp_ckpt.rank_bytes(impl, path, rank)
@@ -114,6 +116,7 @@ def _rank_main(
         "bytes": size,
         "rank_bytes": written,
         "params": sum(p.numel() for p in model.parameters()),
+        "phases": phases,
     }
 
 
@@ -135,7 +138,15 @@ def _summarize(ranks_per_run: list[list[dict[str, Any]]]) -> dict[str, Any]:
         for i in range(len(ranks[0]["save_cpu"]))
     ]
     every = [r for ranks in ranks_per_run for r in ranks]
+    phases = [p for ranks in ranks_per_run for p in ranks[0].get("phases", [])]
+    split = {}
+    if phases:
+        split = {
+            "consolidate_s": statistics.median(c for c, _ in phases),
+            "torch_save_s": statistics.median(t for _, t in phases),
+        }
     return {
+        **split,
         "save_s": statistics.median(saves),
         "save_runs": saves,
         "save_cpu_s": statistics.median(cpu),
@@ -217,11 +228,21 @@ def same_flow_lines(summary: dict[str, Any]) -> list[str]:
     m, base = summary.get(SAME_FLOW, {}), summary.get(BASELINE, {})
     if "save_s" not in m or "save_s" not in base:
         return []
-    return [
+    lines = [
         f"{SAME_FLOW}: {m['save_s'] / base['save_s']:.2f}x {BASELINE}'s save time (median), "
         f"{m['save_best'] / base['save_best']:.2f}x (best), consolidate_state_dict(0) + "
         "torch.save on rank 0 in both"
     ]
+    if "consolidate_s" in m and "consolidate_s" in base:
+        floor = m["torch_save_s"] / (base["consolidate_s"] + base["torch_save_s"])
+        lines.append(
+            f"  on rank 0 (medians): consolidate_state_dict {m['consolidate_s'] * 1e3:.0f} ms "
+            f"against {base['consolidate_s'] * 1e3:.0f} ms "
+            f"({m['consolidate_s'] / base['consolidate_s']:.2f}x), torch.save "
+            f"{m['torch_save_s'] * 1e3:.0f} ms against {base['torch_save_s'] * 1e3:.0f} ms; "
+            f"with no consolidation at all the flow would be {floor:.2f}x"
+        )
+    return lines
 
 
 def floor_lines(summary: dict[str, Any]) -> list[str]:
