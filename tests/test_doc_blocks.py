@@ -277,7 +277,7 @@ def check_lowbit(ns: dict, out: str) -> None:
     assert json.loads(Path("ckpt/lowbit/index.json").read_text())["format_version"] == 4
     if rank() == 0:
         plain = AdamW8bit(copy.deepcopy(ns["model"].module).parameters(), lr=1e-3)
-        plain.load_state_dict(torch.load("optim.pt", weights_only=False))
+        plain.load_state_dict(torch.load("optim.pt", weights_only=True))
         params = [p for g in plain.param_groups for p in g["params"]]
         assert same({i: plain.state[p] for i, p in enumerate(params)}, whole)
 

@@ -226,7 +226,7 @@ def paths_task(ctx, case, root):
             plain_model = copy.deepcopy(saved_model)
             cls, kwargs = CASES[case][1]()
             plain = cls(plain_model.parameters(), **kwargs)
-            plain.load_state_dict(torch.load(buffer, weights_only=False))
+            plain.load_state_dict(torch.load(buffer, weights_only=True))
             train(plain_model, plain, MORE, start=SAVED)
             same_params(plain_model, want[0])
             same(held(plain)["state"], want[1]["state"])
