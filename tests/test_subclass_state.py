@@ -179,7 +179,7 @@ def test_torchao_states_are_known_and_round_trip_exactly():
         assert torch.equal(rebuilt.dequantize(), value.dequantize())
 
 
-def test_a_file_round_trip_needs_version_4_and_the_class_on_the_list(tmp_path):
+def test_a_file_round_trip_needs_version_4_and_the_class_on_the_list(tmp_path, capsys):
     from oss_plus.checkpoint import read_state_dict, write_state_dict
 
     sd = {"state": {0: {"m": scaled([1.0, 2.0]), "step": 3}}, "param_groups": [{"params": [0]}]}
@@ -189,6 +189,10 @@ def test_a_file_round_trip_needs_version_4_and_the_class_on_the_list(tmp_path):
     assert index["state"]["0"]["m"]["tensors"][0]["name"] == "state.0.m/payload"
     back = read_state_dict(tmp_path / "ck")
     assert same_scaled(back["state"][0]["m"], sd["state"][0]["m"])
+    from oss_plus.cli import main
+
+    assert main(["ckpt", "inspect", str(tmp_path / "ck")]) == 0  # shown, not rebuilt
+    assert "m=Scaled(payload=F32[2])" in capsys.readouterr().out
     saved = subclass_module._REGISTERED.pop(class_name(Scaled))
     try:
         with pytest.raises(ValueError, match=f"tensor subclass '{class_name(Scaled)}'"):
