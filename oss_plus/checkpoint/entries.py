@@ -10,6 +10,7 @@ like its param stored as 1-D pieces, element ranges of the flattened tensor, nam
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -128,10 +129,7 @@ class PiecesValue:
     @property
     def numel(self) -> int:
         """The element count of the whole tensor."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def merged(self, other: PiecesValue) -> PiecesValue:
         """Return the pieces of both (sorted by start), with this one's shape."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,13 +119,6 @@ def _to(value: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return value if device is None else value.to(device)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def exchange_states(
     local_states: Mapping[int, ParamState],
     transfers: list[Transfer],
@@ -178,7 +172,7 @@ def exchange_states(
                 slots.append((t, n, meta))
     device = comm_device(group)
     sources = {i: tensors for i, (_, tensors) in mine.items()}
-    sizes = [_numel(meta.shape) * meta.dtype.itemsize for _, _, meta in slots]
+    sizes = [math.prod(meta.shape) * meta.dtype.itemsize for _, _, meta in slots]
     kinds = [(t.src, t.dst, meta.dtype) for t, _, meta in slots]
     for message in message_plan(sizes, pack_bytes=PACK_BYTES, alone_bytes=ALONE_BYTES, kinds=kinds):
         run = [slots[i] for i, _, _ in message]
@@ -204,7 +198,7 @@ def _move_run(
     if rank not in (head.src, head.dst) and head.dst != ALL_RANKS:
         return
     dtype = run[0][2].dtype
-    numels = [_numel(meta.shape) for _, _, meta in run]
+    numels = [math.prod(meta.shape) for _, _, meta in run]
     if rank == head.src:
         parts = [sources[t.index][n].detach().reshape(-1) for t, n, _ in run]
         buffer = parts[0] if len(parts) == 1 else torch.cat(parts)

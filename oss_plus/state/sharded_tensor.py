@@ -10,6 +10,7 @@ into this rank's 1-D piece. :mod:`oss_plus.state.dcp` builds the DCP state dict 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,13 +62,6 @@ def range_blocks(
     return blocks
 
 
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
 def to_sharded(
     piece: torch.Tensor, shape: tuple[int, ...], pieces: list[Any], rank: int, group: Any
 ) -> Any:
@@ -88,9 +82,9 @@ def to_sharded(
             meta = ShardMetadata(list(offsets), list(sizes), place)
             everyone.append(meta)
             if p.owner == rank:
-                view = piece[at : at + _numel(sizes)].view(sizes)
+                view = piece[at : at + math.prod(sizes)].view(sizes)
                 local.append(Shard(tensor=view, metadata=meta))
-            at += _numel(sizes)
+            at += math.prod(sizes)
     props = TensorProperties(dtype=piece.dtype, requires_grad=False)
     meta_all = ShardedTensorMetadata(everyone, torch.Size(shape), props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
