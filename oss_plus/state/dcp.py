@@ -204,10 +204,11 @@ def from_dcp_form(state: Mapping[str, Any], where: str) -> ParamState:
                 skeleton = json.loads(text)
             except (TypeError, ValueError):
                 raise ValueError(f"{at}: a malformed tensor-subclass description") from None
-            missing = [p for p in tensor_paths(skeleton) if p not in value]
+            paths = tensor_paths(skeleton)
+            missing = [p for p in paths if p not in value]
             if missing:
                 raise ValueError(f"{at}: the tensor subclass's inner tensors {missing} are missing")
-            value = unflatten_value(skeleton, [value[p] for p in tensor_paths(skeleton)], at)
+            value = unflatten_value(skeleton, [value[p] for p in paths], at)
         out[key] = value
     return out
 

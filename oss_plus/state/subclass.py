@@ -145,11 +145,13 @@ def split(tensor: torch.Tensor, where: str) -> tuple[str, list[tuple[str, torch.
     if not _has_protocol(cls):
         reason = "without __tensor_flatten__ / __tensor_unflatten__"
         raise TypeError(CANNOT_TRAVEL.format(where=where, kind=name, reason=reason))
-    if name not in _REGISTERED and name not in KNOWN_STATE_CLASSES:
-        reason = "that is not a known optimizer-state class"
-        raise TypeError(CANNOT_TRAVEL.format(where=where, kind=name, reason=reason))
-    if known_class(name) is not cls:
-        reason = f"named like the known class {name} but not it"
+    known = known_class(name)
+    if known is not cls:
+        reason = (
+            "that is not a known optimizer-state class"
+            if known is None
+            else f"named like the known class {name} but not it"
+        )
         raise TypeError(CANNOT_TRAVEL.format(where=where, kind=name, reason=reason))
     attrs, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     return name, [(attr, getattr(tensor, attr)) for attr in attrs], context
