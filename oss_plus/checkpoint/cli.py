@@ -65,10 +65,14 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 
 class _Shown:
-    """A tensor of the index as the table shows it: ``F32[6x6]``."""
+    """A tensor of the index as the table shows it: ``F32[6x6]`` (``of`` a reference)."""
 
-    def __init__(self, ref: TensorRef) -> None:
-        self.text = f"{ref.dtype}[{'x'.join(map(str, ref.shape)) or 'scalar'}]"
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @classmethod
+    def of(cls, ref: TensorRef) -> _Shown:
+        return cls(f"{ref.dtype}[{'x'.join(map(str, ref.shape)) or 'scalar'}]")
 
     def __repr__(self) -> str:
         return self.text
@@ -76,27 +80,25 @@ class _Shown:
 
 def _shown_subclass(name: str, inner: Mapping[str, Any], *_: Any) -> _Shown:
     """A tensor subclass as ``Class(attr=dtype[shape], ...)`` (not rebuilt)."""
-    shown = _Shown.__new__(_Shown)
     fields = ", ".join(f"{attr}={value!r}" for attr, value in inner.items())
-    shown.text = f"{name.rsplit('.', 1)[-1]}({fields})"
-    return shown
+    return _Shown(f"{name.rsplit('.', 1)[-1]}({fields})")
 
 
 def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
     parts, total = [], 0
     for key, entry in entries.items():
         if isinstance(entry, TensorRef):
-            parts.append(f"{key}:{_Shown(entry)!r}")
+            parts.append(f"{key}:{_Shown.of(entry)!r}")
             total += nbytes_of(entry.dtype, entry.shape)
         elif isinstance(entry, NestedValue):  # the value, its tensors as dtype[shape]
-            refs = [_Shown(ref) for ref in entry.tensors]
+            refs = [_Shown.of(ref) for ref in entry.tensors]
             shown = unflatten_value(entry.skeleton, refs, on_subclass=_shown_subclass)
             parts.append(f"{key}={shown!r}")
             total += sum(nbytes_of(ref.dtype, ref.shape) for ref in entry.tensors)
         elif isinstance(entry, PiecesValue):  # the stitched tensor, and its pieces count
             first = entry.parts[0][2]
             shown = TensorRef(first.file, first.name, first.dtype, entry.shape, 0)
-            parts.append(f"{key}:{_Shown(shown)!r}/{len(entry.parts)}pieces")
+            parts.append(f"{key}:{_Shown.of(shown)!r}/{len(entry.parts)}pieces")
             total += sum(nbytes_of(ref.dtype, ref.shape) for _, _, ref in entry.parts)
         elif isinstance(entry, PlainValue):
             parts.append(f"{key}={entry.value!r}")

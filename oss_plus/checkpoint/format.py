@@ -285,13 +285,13 @@ class Index:
         if data["layout"] not in (SHARDED, CONSOLIDATED):
             raise ValueError(f"{where}: unknown layout {data['layout']!r}")
         state = decode_state(data["state"], where, files)
+        version = data["format_version"]
         for i, entries in state.items():
             for key, entry in entries.items():
                 if isinstance(entry, PiecesValue):
-                    if data["format_version"] < 3:
+                    if version < 3:
                         raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
                     check_pieces(entry, f"{where}: state {i} key {key!r}")
-                version = data["format_version"]
                 if (
                     version < 4
                     and isinstance(entry, NestedValue)
