@@ -1,0 +1,247 @@
+"""``OSS.train()`` / ``OSS.eval()``: schedule-free optimizers through the sharded optimizer.
+
+Every run trains ``DDP + OSS`` and ``DDP + the plain optimizer`` (unsharded) side by side
+and compares the params bit for bit (fp32) after train steps, after ``eval()``, after
+``train()`` again and after more steps, on every rank; ``eval()`` really moves the params
+(a forwarder that did nothing would fail the comparison). The compressed wire, ZeRO-2,
+``attach``, the flat rule, the adapters and the state round trips each get their scenario.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import clone_model, ddp_of, flat_params, make_model, overlap_loss
+
+from oss_plus import OSS, ShardedDataParallel
+from oss_plus.compat.fairscale import OSS as FairscaleOSS
+from oss_plus.compat.torch import ZeroRedundancyOptimizer
+from oss_plus.step.modes import NO_MODE, current_mode
+from oss_plus.wire.main.region import MAIN_KEY
+
+schedulefree = pytest.importorskip("schedulefree")
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+
+#: name -> (class, kwargs): every schedule-free optimizer the suite covers.
+SCHEDULE_FREE = {
+    "adamw_sf": (schedulefree.AdamWScheduleFree, {"lr": 0.01, "weight_decay": 0.01}),
+    "sgd_sf": (schedulefree.SGDScheduleFree, {"lr": 0.1}),
+    "radam_sf": (schedulefree.RAdamScheduleFree, {"lr": 0.01, "silent_sgd_phase": False}),
+    "po_adamw_sf": (pytorch_optimizer.ScheduleFreeAdamW, {"lr": 0.01}),
+}
+STEPS = 3
+
+
+def _build(kind, ctx, params, name, **options):
+    cls, kwargs = SCHEDULE_FREE[name]
+    if kind == "plain":
+        return cls(params, **kwargs)
+    if kind == "fairscale":
+        return FairscaleOSS(params, optim=cls, group=ctx.group, **options, **kwargs)
+    if kind == "torch":
+        return ZeroRedundancyOptimizer(params, cls, process_group=ctx.group, **kwargs)
+    return OSS(params, optim=cls, group=ctx.group, **options, **kwargs)
+
+
+def _steps(ddp, opt, start, steps, rank):
+    for it in range(start, start + steps):
+        opt.zero_grad()
+        overlap_loss(ddp, it, rank).backward()
+        opt.step()
+
+
+def lockstep_task(ctx, name, kind="oss", attach=False, **options):
+    """train, steps, eval, eval again, train, steps: OSS and the plain optimizer."""
+    model = make_model(depth=3)
+    ref_model = clone_model(model)
+    ddp, ref_ddp = ddp_of(ctx, model), ddp_of(ctx, ref_model)
+    opt = _build(kind, ctx, model.parameters(), name, **options)
+    ref = _build("plain", ctx, ref_model.parameters(), name)
+    if attach:
+        opt.attach(ddp)
+    out = {"has": (hasattr(opt, "train"), hasattr(opt, "eval"))}
+    stages = [
+        ("train", lambda o: o.train()),
+        ("steps", lambda o: None),
+        ("eval", lambda o: o.eval()),
+        ("eval_again", lambda o: o.eval()),
+        ("train_again", lambda o: o.train()),
+        ("more_steps", lambda o: None),
+    ]
+    for stage, call in stages:
+        for d, o in ((ddp, opt), (ref_ddp, ref)):
+            call(o)
+            if stage.endswith("steps"):
+                _steps(d, o, 0 if stage == "steps" else STEPS, STEPS, ctx.rank)
+        opt.settle() if hasattr(opt, "settle") else None
+        out[stage] = (flat_params(model), flat_params(ref_model))
+    out["mode"] = current_mode(opt.param_groups, opt.optim)
+    out["split"] = len(getattr(opt, "plan").split)
+    return out
+
+
+def _assert_lockstep(results):
+    for r in results:
+        assert r["has"] == (True, True)
+        for stage in ("train", "steps", "eval", "eval_again", "train_again", "more_steps"):
+            got, want = r[stage]
+            assert torch.equal(got, want), stage
+            assert torch.equal(got, results[0][stage][0]), stage  # every replica alike
+        assert not torch.equal(r["steps"][1], r["eval"][1])  # eval() moved the params
+        assert r["mode"] is True
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_FREE))
+@pytest.mark.parametrize("world", [2, 3], ids=["ws2", "ws3"])
+def test_train_and_eval_match_the_unsharded_optimizer(pool, world, name):
+    _assert_lockstep(pool.run(lockstep_task, name, world_size=world))
+
+
+@pytest.mark.parametrize("kind", ["fairscale", "torch"])
+def test_adapters_forward_train_and_eval(pool, kind):
+    _assert_lockstep(pool.run(lockstep_task, "adamw_sf", kind, world_size=2))
+
+
+def test_attached_sync_is_settled_first(pool):
+    _assert_lockstep(pool.run(lockstep_task, "adamw_sf", attach=True, world_size=2))
+
+
+@pytest.mark.parametrize("name", ["adamw_sf", "sgd_sf", "radam_sf"])
+@pytest.mark.parametrize("world", [2, 3], ids=["ws2", "ws3"])
+def test_flat_rule_pieces_swap_exactly(pool, world, name):
+    results = pool.run(lockstep_task, name, partition_rule="flat", world_size=world)
+    _assert_lockstep(results)
+    assert results[0]["split"] > 0  # some param is cut into pieces on several ranks
+
+
+def zero2_task(ctx, name):
+    """ZeRO-2 (oss_plus.ShardedDataParallel) + OSS against DDP + the plain optimizer."""
+    model = make_model(depth=3)
+    ref_model = clone_model(model)
+    opt = _build("oss", ctx, model.parameters(), name)
+    sdp = ShardedDataParallel(model, opt, process_group=ctx.group)
+    ref_ddp = ddp_of(ctx, ref_model)
+    ref = _build("plain", ctx, ref_model.parameters(), name)
+    out = []
+    for stage in ("train", "steps", "eval", "train", "steps"):
+        for d, o in ((sdp, opt), (ref_ddp, ref)):
+            if stage == "steps":
+                _steps(d, o, len(out), STEPS, ctx.rank)
+            else:
+                getattr(o, stage)()
+        out.append((flat_params(model), flat_params(ref_model)))
+    return out
+
+
+def test_zero2(pool):
+    for r in pool.run(zero2_task, "adamw_sf", world_size=2):
+        assert all(torch.equal(got, want) for got, want in r)
+
+
+def wire_task(ctx, rule):
+    """Steps on a bf16 wire, then eval() and train(): the plain optimizer steps the same
+    gradients (those of the rounded params every replica holds), so its params are the
+    exact values the owners keep (main copies); every replica holds them rounded."""
+    model = make_model(depth=3)
+    ref_model = clone_model(model)
+    ddp = ddp_of(ctx, model)
+    options = {"broadcast_dtype": torch.bfloat16, "partition_rule": rule}
+    opt = _build("oss", ctx, model.parameters(), "adamw_sf", **options)
+    ref = _build("plain", ctx, ref_model.parameters(), "adamw_sf")
+    out = []
+    for stage in ("train", "steps", "eval", "train", "steps", "eval"):
+        if stage == "steps":
+            for it in range(2):
+                opt.zero_grad()
+                overlap_loss(ddp, it, ctx.rank).backward()
+                for p, q in zip(model.parameters(), ref_model.parameters()):
+                    q.grad = p.grad.clone()  # before the step: schedule-free divides it
+                opt.step()
+                ref.step()
+        else:
+            getattr(opt, stage)()
+            getattr(ref, stage)()
+        want = flat_params(ref_model)
+        exact = opt.export_local_state()
+        refs = list(ref_model.parameters())
+        mains = [
+            torch.equal(s[MAIN_KEY].reshape(-1), _of(refs[i], opt, i, ctx.rank))
+            for i, s in exact.items()
+            if MAIN_KEY in s
+        ]
+        rounded = want.to(torch.bfloat16).float()
+        out.append((torch.equal(flat_params(model), rounded), mains, torch.equal(rounded, want)))
+    return out
+
+
+def _of(ref_param, opt, i, rank):
+    piece = opt.plan.piece(rank, i)
+    flat = ref_param.detach().reshape(-1)
+    return flat if piece is None else flat[piece.start : piece.end]
+
+
+@pytest.mark.parametrize("rule", [None, "flat"], ids=["default", "flat"])
+def test_compressed_wire_main_copies_follow_the_swap(pool, rule):
+    results = pool.run(wire_task, rule, world_size=2)
+    for r in results:
+        for rounded_equal, mains, _ in r:
+            assert rounded_equal and all(mains)
+    assert any(r[2][1] for r in results)  # some rank holds main copies after eval()
+    assert not any(r[2][2] for r in results)  # and the wire really rounds
+
+
+def missing_task(ctx):
+    model = make_model(depth=1)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=ctx.group, lr=0.1)
+    try:
+        opt.train()
+    except AttributeError as exc:
+        return hasattr(opt, "train"), hasattr(opt, "eval"), str(exc)
+    return None
+
+
+def test_absent_when_the_inner_optimizer_has_no_modes(pool):
+    for r in pool.run(missing_task, world_size=2):
+        assert r == (False, False, NO_MODE.format(name="train", cls="SGD"))
+
+
+class _FailingEval(schedulefree.SGDScheduleFree):
+    def eval(self):
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("eval failed here")
+        super().eval()
+
+
+def failing_task(ctx):
+    model = make_model(depth=1)
+    opt = OSS(model.parameters(), optim=_FailingEval, group=ctx.group, lr=0.1)
+    opt.train()
+    try:
+        opt.eval()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(pool):
+    results = pool.run(failing_task, world_size=2)
+    assert all(r is not None for r in results), results
+    assert "eval failed here" in results[1]
+
+
+def skip_task(ctx):
+    """A call in the current mode neither syncs nor touches the params."""
+    model = make_model(depth=1)
+    opt = OSS(model.parameters(), optim=schedulefree.SGDScheduleFree, group=ctx.group, lr=0.1)
+    opt.train()
+    calls = []
+    opt.sync.sync = functools.partial(lambda *a: calls.append(a))
+    for _ in range(3):
+        opt.train()
+    return len(calls)
+
+
+def test_a_call_in_the_current_mode_communicates_nothing(pool):
+    assert pool.run(skip_task, world_size=2) == [0, 0]
