@@ -13,9 +13,12 @@ import functools
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import clone_model, ddp_of, flat_params, make_model, overlap_loss
 
-from oss_plus import OSS, ShardedDataParallel
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from oss_plus import OSS, ShardedDataParallel, load_checkpoint, save_checkpoint
 from oss_plus.compat.fairscale import OSS as FairscaleOSS
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
 from oss_plus.step.modes import NO_MODE, current_mode
@@ -36,6 +39,7 @@ STEPS = 3
 
 def _build(kind, ctx, params, name, **options):
     cls, kwargs = SCHEDULE_FREE[name]
+    kwargs = {**kwargs, **{k: options.pop(k) for k in ("lr",) if k in options}}
     if kind == "plain":
         return cls(params, **kwargs)
     if kind == "fairscale":
@@ -245,3 +249,68 @@ def skip_task(ctx):
 
 def test_a_call_in_the_current_mode_communicates_nothing(pool):
     assert pool.run(skip_task, world_size=2) == [0, 0]
+
+
+def _save(kind, ctx, model, opt, path):
+    if kind == "state_dict":
+        opt.consolidate_state_dict(recipient_rank=-1)
+        return opt.state_dict(all_ranks=True)
+    if kind == "checkpoint":
+        save_checkpoint(opt, path)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
+    return None
+
+
+def _load(kind, ctx, model, opt, path, saved):
+    if kind == "state_dict":
+        opt.load_state_dict(saved)
+    elif kind == "checkpoint":
+        load_checkpoint(opt, path)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def roundtrip_task(ctx, kind, path):
+    """Saved in eval mode, loaded into a fresh optimizer put in train mode: the mode comes
+    back as the plain optimizer's ``load_state_dict`` brings it, and the next train()
+    moves the params as the plain optimizer's does."""
+    model = make_model(depth=3)
+    ref_model = clone_model(model)
+    ddp, ref_ddp = ddp_of(ctx, model), ddp_of(ctx, ref_model)
+    opt = _build("oss", ctx, model.parameters(), "adamw_sf")
+    ref = _build("plain", ctx, ref_model.parameters(), "adamw_sf")
+    for d, o in ((ddp, opt), (ref_ddp, ref)):
+        o.train()
+        _steps(d, o, 0, STEPS, ctx.rank)
+        o.eval()
+    saved, ref_saved = _save(kind, ctx, model, opt, path), ref.state_dict()
+    model2, ref_model2 = clone_model(model), clone_model(ref_model)  # the eval point
+    ddp2, ref_ddp2 = ddp_of(ctx, model2), ddp_of(ctx, ref_model2)
+    opt2 = _build("oss", ctx, model2.parameters(), "adamw_sf", lr=0.5)
+    ref2 = _build("plain", ctx, ref_model2.parameters(), "adamw_sf")
+    opt2.train()
+    ref2.train()
+    _load(kind, ctx, model2, opt2, path, saved)
+    ref2.load_state_dict(ref_saved)
+    modes = (current_mode(opt2.param_groups, opt2.optim), ref2.param_groups[0]["train_mode"])
+    out = []
+    for d, o in ((ddp2, opt2), (ref_ddp2, ref2)):
+        o.train()
+        out.append(flat_params(d.module))
+        _steps(d, o, STEPS, 2, ctx.rank)
+        o.eval()
+        out.append(flat_params(d.module))
+    return modes, out
+
+
+@pytest.mark.parametrize("kind", ["state_dict", "checkpoint", "dcp"])
+def test_the_mode_survives_state_round_trips(pool, tmp_path, kind):
+    for modes, (train_got, eval_got, train_want, eval_want) in pool.run(
+        roundtrip_task, kind, str(tmp_path / "ckpt"), world_size=2
+    ):
+        assert modes == (False, False)
+        assert torch.equal(train_got, train_want) and torch.equal(eval_got, eval_want)
