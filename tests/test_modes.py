@@ -27,12 +27,18 @@ from oss_plus.wire.main.region import MAIN_KEY
 schedulefree = pytest.importorskip("schedulefree")
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
+def sf_wrapper(params, lr, momentum=0.9):
+    """schedulefree's ScheduleFreeWrapper over SGD (not a torch.optim.Optimizer itself)."""
+    return schedulefree.ScheduleFreeWrapper(torch.optim.SGD(params, lr=lr), momentum=momentum)
+
+
 #: name -> (class, kwargs): every schedule-free optimizer the suite covers.
 SCHEDULE_FREE = {
     "adamw_sf": (schedulefree.AdamWScheduleFree, {"lr": 0.01, "weight_decay": 0.01}),
     "sgd_sf": (schedulefree.SGDScheduleFree, {"lr": 0.1}),
     "radam_sf": (schedulefree.RAdamScheduleFree, {"lr": 0.01, "silent_sgd_phase": False}),
     "po_adamw_sf": (pytorch_optimizer.ScheduleFreeAdamW, {"lr": 0.01}),
+    "wrapper_sf": (sf_wrapper, {"lr": 0.1}),
 }
 STEPS = 3
 
@@ -118,6 +124,30 @@ def test_flat_rule_pieces_swap_exactly(pool, world, name):
     results = pool.run(lockstep_task, name, partition_rule="flat", world_size=world)
     _assert_lockstep(results)
     assert results[0]["split"] > 0  # some param is cut into pieces on several ranks
+
+
+def refresh_task(ctx):
+    """The wrapper keeps its mode on itself: a repartition that rebuilds the inner optimizer
+    (a param frozen) keeps it, and training goes on as the plain wrapper's."""
+    model = make_model(depth=3)
+    ref_model = clone_model(model)
+    opt = _build("oss", ctx, model.parameters(), "wrapper_sf")
+    ref = _build("plain", ctx, ref_model.parameters(), "wrapper_sf")
+    for m in (model, ref_model):
+        m[0].weight.requires_grad_(False)
+    for m, o in ((model, opt), (ref_model, ref)):
+        o.train()
+        for it in range(STEPS):
+            o.zero_grad()
+            overlap_loss(m, it, 0).backward()
+            o.step()
+        o.eval()
+    return current_mode(opt.param_groups, opt.optim), flat_params(model), flat_params(ref_model)
+
+
+def test_a_rebuilt_inner_wrapper_keeps_its_mode(pool):
+    for mode, got, want in pool.run(refresh_task, world_size=2):
+        assert mode is False and torch.equal(got, want)
 
 
 def zero2_task(ctx, name):

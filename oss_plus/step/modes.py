@@ -35,7 +35,7 @@ from oss_plus.runtime.trace import label
 from oss_plus.state.index import copy_hyper
 from oss_plus.wire.sync import BucketSync
 
-__all__ = ["MODE_METHODS", "NO_MODE", "Modes", "current_mode"]
+__all__ = ["MODE_METHODS", "NO_MODE", "Modes", "carry_mode", "current_mode"]
 
 #: The mode methods forwarded to the inner optimizer, and the mode each one sets
 #: (True: training).
@@ -66,6 +66,15 @@ def current_mode(param_groups: list[dict[str, Any]], inner: Any) -> bool | None:
             return flag
     flag = getattr(inner, "train_mode", None)
     return flag if isinstance(flag, bool) else None
+
+
+def carry_mode(old: Any, new: Any) -> None:
+    """Give a rebuilt inner optimizer ``new`` the mode ``old`` kept on itself (a bool
+    ``train_mode`` attribute, as ``ScheduleFreeWrapper`` keeps it: a mode kept in the param
+    groups comes with the groups)."""
+    flag = getattr(old, "train_mode", None)
+    if isinstance(flag, bool) and isinstance(getattr(new, "train_mode", None), bool):
+        new.train_mode = flag
 
 
 class Modes:
