@@ -44,9 +44,7 @@ from oss_plus.wire.sync import BucketSync
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 
-class OSS(
-    PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Modes, Optimizer
-):
+class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Modes, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of

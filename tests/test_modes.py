@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import clone_model, ddp_of, flat_params, make_model, overlap_loss
-
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from oss_plus import OSS, ShardedDataParallel, load_checkpoint, save_checkpoint
@@ -29,6 +28,7 @@ try:
     import pytorch_optimizer
 except ImportError:  # its entry is left out
     pytorch_optimizer = None
+
 
 def sf_wrapper(params, lr, momentum=0.9):
     """schedulefree's ScheduleFreeWrapper over SGD (not a torch.optim.Optimizer itself)."""
@@ -99,7 +99,7 @@ def lockstep(ctx, name, kind, attach, **options):
         opt.settle() if hasattr(opt, "settle") else None
         out[stage] = (flat_params(model), flat_params(ref_model))
     out["mode"] = current_mode(opt.param_groups, opt.optim)
-    out["split"] = len(getattr(opt, "plan").split)
+    out["split"] = len(opt.plan.split)
     return out
 
 
@@ -303,7 +303,9 @@ def _save(kind, ctx, model, opt, path):
         save_checkpoint(opt, path)
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group
+        )
     return None
 
 
@@ -314,7 +316,9 @@ def _load(kind, ctx, model, opt, path, saved):
         load_checkpoint(opt, path)
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group)
+        dcp.load(
+            {"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=ctx.group
+        )
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
@@ -83,12 +83,18 @@ class Modes:
 
     # provided by oss_plus.OSS
     param_groups: list[dict[str, Any]]
-    optim: Optimizer
-    sync: Any
-    local_shard: Any
-    wire_dtype: torch.dtype | None
     settle: Callable[[], None]
     drop_consolidated: Callable[[], None]
+    if TYPE_CHECKING:  # properties of oss_plus.OSS
+
+        @property
+        def optim(self) -> Optimizer: ...
+        @property
+        def sync(self) -> Any: ...
+        @property
+        def local_shard(self) -> Any: ...
+        @property
+        def wire_dtype(self) -> torch.dtype | None: ...
 
     @property
     def train(self) -> Callable[[], None]:

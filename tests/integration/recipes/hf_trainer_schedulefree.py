@@ -38,9 +38,7 @@ def train_evaluate_save(model: TinyModel, optimizer: torch.optim.Optimizer, out:
     arguments = training_arguments(out)
     arguments.save_strategy = "no"
     data = [{"x": x, "labels": y} for x, y in dataset()]
-    trainer = Trainer(
-        model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)
-    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None))
     trainer.train()  # optimizer.train() at every step
     if rank() == 0:  # the training point, for the test to see that eval() moved the params
         state = {k: v.clone() for k, v in model.state_dict().items()}
