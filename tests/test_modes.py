@@ -10,16 +10,19 @@ and compares the params bit for bit (fp32) after train steps, after ``eval()``, 
 from __future__ import annotations
 
 import functools
+import uuid
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import clone_model, ddp_of, flat_params, make_model, overlap_loss
+from helpers import catch, clone_model, ddp_of, flat_params, make_model, overlap_loss
+from test_arrival import short_arrival, wait_for
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from oss_plus import OSS, ShardedDataParallel, load_checkpoint, save_checkpoint
 from oss_plus.compat.fairscale import OSS as FairscaleOSS
 from oss_plus.compat.torch import ZeroRedundancyOptimizer
+from oss_plus.runtime import arrival as _arrival
 from oss_plus.step.modes import NO_MODE, current_mode
 from oss_plus.wire.main.region import MAIN_KEY
 
@@ -362,3 +365,31 @@ def test_the_mode_survives_state_round_trips(pool, tmp_path, kind):
     ):
         assert modes == (False, False)
         assert torch.equal(train_got, train_want) and torch.equal(eval_got, eval_want)
+
+
+def alone_task(ctx, tag):
+    """Rank 1 calls eval() alone: it raises naming the call instead of hanging; then every
+    rank calls it and training goes on."""
+    model = make_model(depth=1)
+    opt = OSS(model.parameters(), optim=schedulefree.SGDScheduleFree, group=ctx.group, lr=0.1)
+    with short_arrival():
+        opt.train()
+        _steps(model, opt, 0, 1, 0)
+        store = _arrival._store()
+        alone = None
+        if ctx.rank == 1:
+            alone = catch(opt.eval)
+            store.add(f"{tag}/done", 1)
+        else:
+            wait_for(store, f"{tag}/done", 1)
+        together = catch(opt.eval)
+    return alone, together[0], flat_params(model)
+
+
+def test_a_call_on_some_ranks_raises_there(pool):
+    results = pool.run(alone_task, f"test_modes/{uuid.uuid4().hex}", world_size=2)
+    assert results[0][0] is None
+    kind, message = results[1][0]
+    assert kind == "RuntimeError" and message.startswith("eval() is collective"), message
+    assert [r[1] for r in results] == ["ok", "ok"]
+    assert torch.equal(results[0][2], results[1][2])

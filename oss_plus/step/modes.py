@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
+from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.runtime.trace import label
 from oss_plus.state.index import copy_hyper
@@ -82,6 +83,7 @@ class Modes:
     :class:`oss_plus.OSS`, using only its public members."""
 
     # provided by oss_plus.OSS
+    group: Any
     param_groups: list[dict[str, Any]]
     settle: Callable[[], None]
     drop_consolidated: Callable[[], None]
@@ -144,8 +146,12 @@ class Modes:
     def _switch_mode(self, name: str) -> None:
         if current_mode(self.param_groups, self.optim) is MODE_METHODS[name]:
             return  # read on the host, the same on every rank: nobody syncs
-        self.settle()  # the last step's sync (left in flight after attach()) lands first
+        with _arrival.entry(self.group, f"{name}()"):  # a call on some ranks raises there
+            self.settle()  # the last step's sync (left in flight after attach()) lands first
+            self._swap(name)
         self.drop_consolidated()
+
+    def _swap(self, name: str) -> None:
         sync, wire, inner = self.sync, self.wire_dtype, self.optim
         copy_hyper(self.param_groups, inner.param_groups)
         redirect: Any = contextlib.nullcontext()
