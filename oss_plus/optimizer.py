@@ -32,6 +32,7 @@ from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.state.index import ParamState, copy_hyper
 from oss_plus.step import params as _params
 from oss_plus.step.driver import StepDriver
+from oss_plus.step.modes import Modes
 from oss_plus.step.params import PLANS_DIFFER
 from oss_plus.step.pieces import PieceGrads
 from oss_plus.step.replan import Replanner
@@ -43,7 +44,7 @@ from oss_plus.wire.sync import BucketSync
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 
-class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Optimizer):
+class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Modes, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of

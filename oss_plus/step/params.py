@@ -127,17 +127,33 @@ def _same_value(a: Any, b: Any) -> bool:
 def build_inner(
     constructor: Callable[..., Optimizer], groups: list[dict[str, Any]], defaults: dict[str, Any]
 ) -> Optimizer:
-    """Build the inner optimizer over one rank's groups and check what it built.
+    """Build the inner optimizer over one rank's groups and check what it built: a
+    ``torch.optim.Optimizer``, or an object that wraps one the way schedulefree's
+    ``ScheduleFreeWrapper`` does (it has every member of :data:`OPTIMIZER_LIKE`, its
+    ``param_groups`` and ``state`` being the wrapped optimizer's).
 
     Raises:
-        TypeError: ``constructor`` did not return a ``torch.optim.Optimizer``.
+        TypeError: ``constructor`` built neither.
         ValueError: it is not a per-parameter optimizer (see :func:`check_per_param`).
     """
     inner = constructor(groups, **defaults)
     if not isinstance(inner, Optimizer):
-        raise TypeError(f"optim built a {type(inner).__name__}, not a torch.optim.Optimizer")
+        missing = [name for name in OPTIMIZER_LIKE if not hasattr(inner, name)]
+        if missing:
+            raise TypeError(NOT_AN_OPTIMIZER.format(name=type(inner).__name__, missing=missing))
     check_per_param(inner)
     return inner
+
+
+#: What an inner optimizer that is not a ``torch.optim.Optimizer`` must have (a wrapper of
+#: one, as schedulefree's ``ScheduleFreeWrapper``).
+OPTIMIZER_LIKE = ("step", "param_groups", "state", "state_dict", "load_state_dict")
+#: TypeError when ``optim`` built something else.
+NOT_AN_OPTIMIZER = (
+    "optim built a {name}, which is not a torch.optim.Optimizer and lacks {missing} of a "
+    "wrapper of one: build a torch.optim.Optimizer (or an object wrapping one, with step, "
+    "param_groups, state, state_dict and load_state_dict)"
+)
 
 
 #: Raised for an ``auto_refresh`` that is not a bool.

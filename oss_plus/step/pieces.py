@@ -32,6 +32,7 @@ from oss_plus.state.pieces import slice_state, stitch_state  # noqa: F401
 __all__ = [
     "PieceGrads",
     "ELEMENTWISE",
+    "ELEMENTWISE_NAMES",
     "NOT_ELEMENTWISE",
     "PieceTargets",
     "elementwise",
@@ -51,6 +52,18 @@ ELEMENTWISE: set[type] = {
     torch.optim.Adagrad,
     torch.optim.Adadelta,
 }
+
+#: Classes of optional packages whose update is elementwise, by ``module.qualname`` (looked
+#: up by name: the core imports none of them). schedulefree's ``step`` is elementwise, and
+#: its ``eval()``/``train()`` too (every param moves towards its own ``z``): it passes the
+#: flat rule's exactness tests (``tests/test_modes.py``).
+ELEMENTWISE_NAMES: frozenset[str] = frozenset(
+    {
+        "schedulefree.adamw_schedulefree.AdamWScheduleFree",
+        "schedulefree.sgd_schedulefree.SGDScheduleFree",
+        "schedulefree.radam_schedulefree.RAdamScheduleFree",
+    }
+)
 
 #: Raised (on every rank) for the flat rule with an optimizer not known to be elementwise.
 NOT_ELEMENTWISE = (
@@ -86,16 +99,23 @@ def _unwrap(optim: Any) -> Any:
 
 
 def is_elementwise(optim: Any) -> bool:
-    """Whether ``optim`` (a class, or a ``functools.partial`` of one) is in :data:`ELEMENTWISE`.
+    """Whether ``optim`` (a class, or a ``functools.partial`` of one) is in :data:`ELEMENTWISE`
+    or named in :data:`ELEMENTWISE_NAMES`.
 
     Subclasses are not: a subclass may change the update (LAMB derives from Adam in places).
     """
-    return _unwrap(optim) in ELEMENTWISE
+    cls = _unwrap(optim)
+    return cls in ELEMENTWISE or _qualified(cls) in ELEMENTWISE_NAMES
+
+
+def _qualified(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
 
 
 def not_elementwise_message(optim: Any) -> str:
     """The :data:`NOT_ELEMENTWISE` message for ``optim``."""
-    known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+    names = [c.__name__ for c in ELEMENTWISE] + [n.rsplit(".", 1)[1] for n in ELEMENTWISE_NAMES]
+    known = ", ".join(sorted(names))
     name = getattr(_unwrap(optim), "__name__", repr(optim))
     return NOT_ELEMENTWISE.format(known=known, name=name)
 

@@ -32,6 +32,7 @@ from oss_plus.state.index import (
     place_states,
 )
 from oss_plus.step import params as _params
+from oss_plus.step.modes import carry_mode
 from oss_plus.step.pieces import PieceTargets
 from oss_plus.wire.main.region import MAIN_KEY, split_main
 from oss_plus.wire.main.step import Redirect
@@ -168,7 +169,8 @@ class LocalShard:
         kept = {i: s for i, s in local.items() if i in mine}
         self.targets = PieceTargets(self.flat_params(), plan, self.rank)
         states, moved = split_main({**kept, **self.targets.slice_states(arrived)})
-        self.optim = self._build(states)
+        self.optim, old_inner = self._build(states), self.optim
+        carry_mode(old_inner, self.optim)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return moved
 

@@ -134,3 +134,9 @@ def run_recipe_once(tmp_path: Path):
         assert_resumed_equals_reference(tmp_path)
 
     return run
+
+
+@pytest.fixture
+def launch_recipe():
+    """:func:`launch` (one phase of a recipe; the test compares what it wrote)."""
+    return launch

@@ -8,6 +8,8 @@ not installed skips its test: ``pip install -e ".[integration]"`` installs them 
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 
 def test_lightning_2_ddp_with_model_checkpoint_and_ckpt_path(run_recipe):
@@ -56,3 +58,17 @@ def test_mmengine_runner_with_the_optimizer_and_hook_named_in_its_config(run_rec
     optimizer (mmengine 0.10.7's own pickled checkpoints; the recipe sets it)."""
     pytest.importorskip("mmengine", reason="pip install mmengine (the integration extra)")
     run_recipe("mmengine_recipe")
+
+
+def test_hf_trainer_saves_the_eval_point_of_a_schedule_free_optimizer(launch_recipe, tmp_path):
+    """Trainer calls train()/eval() on OSS as on the plain schedule-free optimizer: the model
+    it saves after evaluate() is the unsharded optimizer's eval point, bit for bit."""
+    pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
+    pytest.importorskip("schedulefree", reason="pip install schedulefree (the integration extra)")
+    launch_recipe("hf_trainer_schedulefree", "train", tmp_path)
+    saved = {k: load_file(tmp_path / k / "model.safetensors") for k in ("reference", "sharded")}
+    assert sorted(saved["sharded"]) == sorted(saved["reference"])
+    for key, value in saved["reference"].items():
+        assert torch.equal(saved["sharded"][key], value), key
+    trained = torch.load(tmp_path / "reference" / "y.pt", weights_only=True)
+    assert any(not torch.equal(trained[k], saved["reference"][k]) for k in saved["reference"])
