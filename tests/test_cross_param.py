@@ -315,3 +315,10 @@ def test_at_one_rank_nothing_is_refused(pool):
 def test_allow_cross_param_must_be_a_bool():
     with pytest.raises(TypeError, match="allow_cross_param must be False"):
         coupling.refuse_cross_param(torch.optim.SGD, {}, [], None, "yes")
+
+
+def test_a_constructor_that_refuses_the_probe_s_params_is_left_to_the_real_construction(caplog):
+    coupling._warned.discard("Muon")
+    with caplog.at_level(logging.WARNING, logger="oss_plus.step.coupling"):
+        assert _probe(lambda: (torch.optim.Muon, {"lr": 1e-2})) is None  # a bias among them
+    assert caplog.text == ""

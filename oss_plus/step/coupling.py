@@ -66,6 +66,10 @@ PROBE_FAILED = (
 _warned: set[str] = set()
 
 
+class _NotBuilt(Exception):
+    """The optimizer's constructor refused the probe's params."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Coupling:
     """What the probe found: the first difference, or None when the runs agreed.
@@ -115,7 +119,10 @@ def _run(
     # the question is the same either way, and compiling for the probe's shapes costs seconds)
     with torch.random.fork_rng(devices=_devices(params)), _eager():
         torch.manual_seed(seed)
-        opt = build([{**options, "params": [p]} for (options, _, _), p in zip(groups, params)])
+        try:
+            opt = build([{**options, "params": [p]} for (options, _, _), p in zip(groups, params)])
+        except Exception as exc:  # noqa: BLE001 - the real construction reports it
+            raise _NotBuilt from exc
         train = getattr(opt, "train", None)
         if callable(train):  # schedule-free optimizers step in train mode only
             train()
@@ -212,6 +219,8 @@ def probe(
                 return Coupling(name, f"{where}; {what}" if what else where)
             if what is not None:
                 return Coupling(name, what)
+    except _NotBuilt:  # the optimizer refuses these params (Muon and a bias): the real
+        return None  # construction raises that, on every rank
     except Exception as exc:  # noqa: BLE001 - a failing probe must not refuse the optimizer
         if name not in _warned:
             _warned.add(name)
