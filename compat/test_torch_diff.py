@@ -63,10 +63,12 @@ def _layout(opt, params):
 def test_constructor_signature_is_torchs():
     ours = dict(inspect.signature(ZeroRedundancyOptimizer.__init__).parameters)
     theirs = inspect.signature(TorchZero.__init__).parameters
-    # the one documented extension: keyword-only, with a default that keeps the anchor's
-    # behaviour (docs/integrations.md)
-    extension = ours.pop("collective_state_dict")
-    assert extension.kind is inspect.Parameter.KEYWORD_ONLY and extension.default is False
+    # the documented extensions, keyword-only and off by default (docs/integrations.md): a
+    # collective state_dict(), and sharding an optimizer that reads across params, which the
+    # anchor does silently and oss_plus refuses unless told (docs/optimizers.md)
+    for name in ("collective_state_dict", "allow_cross_param"):
+        extension = ours.pop(name)
+        assert extension.kind is inspect.Parameter.KEYWORD_ONLY and extension.default is False
     assert [(p.name, p.kind, p.default) for p in ours.values()] == [
         (p.name, p.kind, p.default) for p in theirs.values()
     ]

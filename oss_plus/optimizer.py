@@ -31,6 +31,7 @@ from oss_plus.runtime import dist as _dist
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.state.index import ParamState, copy_hyper
 from oss_plus.step import params as _params
+from oss_plus.step.coupling import refuse_cross_param
 from oss_plus.step.driver import StepDriver
 from oss_plus.step.modes import Modes
 from oss_plus.step.params import PLANS_DIFFER
@@ -90,6 +91,11 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             :meth:`refresh_trainable`) and re-allocated params (``module.to()``; lays them
             out again, as :meth:`install_sync`); :mod:`oss_plus.wire.changes` says what is read
             when. With False, call those two methods yourself after such a change.
+        allow_cross_param: keyword-only (default False): at world size > 1 the constructor
+            refuses an optimizer whose update of one param reads the others (Prodigy,
+            D-Adaptation: a probe on small copies, :mod:`oss_plus.step.coupling`); True
+            shards it anyway (the optimizer reduces over the ranks itself, or the drift is
+            accepted: ``docs/optimizers.md``).
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
             **opt.defaults)`` with AdamW); any other unknown keyword raises TypeError.
@@ -100,7 +106,8 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             keyword ``optim`` does not take (raised on every rank).
         ValueError: empty or sparse params, a param listed twice, an optimizer whose update
             is not per parameter (``torch.optim.LBFGS``), ``partition_rule="flat"`` with an
-            optimizer not known to be elementwise, or the ranks of ``group`` hold
+            optimizer not known to be elementwise, an optimizer whose update of one param
+            reads the others (unless ``allow_cross_param``), or the ranks of ``group`` hold
             different models (raised on every rank). Whatever the inner optimizer's
             constructor raises on any rank is raised on every rank too.
 
@@ -126,6 +133,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         replicate_group: Any | None = None,
         collective_state_dict: bool = False,
         auto_refresh: bool = True,
+        allow_cross_param: bool = False,
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
@@ -152,6 +160,14 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             taken, fixed = _params.split_defaults(optim, defaults)
             specs = _params.param_specs(self.param_groups, self._policy.aligned)
             plan = make_plan(specs, self.world_size, self._policy)
+            refuse_cross_param(
+                optim,
+                taken,
+                self.param_groups,
+                self.group,
+                allow_cross_param,
+                replicated=replicate_group is not None,
+            )
             self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model

@@ -27,8 +27,9 @@ from oss_plus.optimizer import NOT_CONSOLIDATED
 
 def test_constructor_signature_is_fairscale_0_4_13s():
     params = dict(inspect.signature(OSS.__init__).parameters)
-    extension = params.pop("collective_state_dict")  # keyword-only, off by default
-    assert extension.kind is inspect.Parameter.KEYWORD_ONLY and extension.default is False
+    for name in ("collective_state_dict", "allow_cross_param"):  # keyword-only, off by default
+        extension = params.pop(name)
+        assert extension.kind is inspect.Parameter.KEYWORD_ONLY and extension.default is False
     assert [(p.name, p.default) for p in params.values()] == [
         ("self", inspect.Parameter.empty),
         ("params", inspect.Parameter.empty),

@@ -72,6 +72,8 @@ class OSS(CompatOSS):
         collective_state_dict: keyword-only (not in fairscale): ``state_dict()`` without a
             prior consolidation is collective and consolidates on every rank (Accelerate,
             Ignite); see :meth:`oss_plus.OSS.state_dict`.
+        allow_cross_param: keyword-only (not in fairscale, which shards such optimizers
+            silently): see :class:`oss_plus.OSS`.
         **default: hyperparameters for ``optim`` (``lr=...``).
 
     Raises:
@@ -99,6 +101,7 @@ class OSS(CompatOSS):
         force_broadcast_object: bool = False,
         *,
         collective_state_dict: bool = False,
+        allow_cross_param: bool = False,
         **default: Any,
     ) -> None:
         super().__init__(
@@ -110,6 +113,7 @@ class OSS(CompatOSS):
             force_broadcast_object,
             shard_policy=FAIRSCALE_POLICY,
             collective_state_dict=collective_state_dict,
+            allow_cross_param=allow_cross_param,
             **default,
         )
         self.backend = dist.get_backend(self.group)

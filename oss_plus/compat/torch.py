@@ -124,6 +124,8 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
             See ``docs/overlap.md``.
         collective_state_dict: keyword-only (not in torch): :meth:`state_dict` without a
             prior consolidation is collective and consolidates on every rank (Accelerate).
+        allow_cross_param: keyword-only (not in torch, which shards such optimizers
+            silently): see :class:`oss_plus.OSS`.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Raises:
@@ -165,6 +167,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         overlap_with_ddp: bool = False,
         *,
         collective_state_dict: bool = False,
+        allow_cross_param: bool = False,
         **defaults: Any,
     ) -> None:
         self._overlap_with_ddp = overlap_with_ddp
@@ -195,6 +198,7 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
             process_group,
             shard_policy=policy,
             collective_state_dict=collective_state_dict,
+            allow_cross_param=allow_cross_param,
             **defaults,
         )
         Joinable.__init__(self)

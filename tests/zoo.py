@@ -1,0 +1,154 @@
+"""The optimizers of the ecosystem the suite runs inside OSS (issue 49): module-level factories
+the worker pool can ship, each returning ``(class or factory, kwargs)``, and what each needs.
+
+The packages come with the ``zoo`` extra; a case whose package is missing is skipped. Their
+verdicts under OSS are in docs/optimizers.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+
+@dataclass(frozen=True)
+class Zoo:
+    """One optimizer: its package, its factory, and what it steps."""
+
+    need: str | None
+    make: Callable[[], tuple[Any, dict[str, Any]]]
+    #: steps 2-D params only (Muon): the model's biases are left to another optimizer
+    matrices_only: bool = False
+    #: its update is elementwise (the flat rule accepts it)
+    elementwise: bool = False
+
+
+def _attr(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+def muon():
+    return torch.optim.Muon, {"lr": 1e-2}
+
+
+def po_lion():
+    return _attr("pytorch_optimizer", "Lion"), {"lr": 1e-3}
+
+
+def po_adopt():
+    return _attr("pytorch_optimizer", "ADOPT"), {"lr": 1e-3}
+
+
+def po_shampoo():
+    return _attr("pytorch_optimizer", "Shampoo"), {"lr": 1e-3}
+
+
+def po_lamb():
+    return _attr("pytorch_optimizer", "Lamb"), {"lr": 1e-3}
+
+
+def po_ademamix():
+    return _attr("pytorch_optimizer", "AdEMAMix"), {"lr": 1e-3}
+
+
+def po_adan():
+    return _attr("pytorch_optimizer", "Adan"), {"lr": 1e-3}
+
+
+def po_stable_adamw():
+    return _attr("pytorch_optimizer", "StableAdamW"), {"lr": 1e-3}
+
+
+def po_soap():
+    # a preconditioner update at every step, so the eigenbases change within the few steps
+    return _attr("pytorch_optimizer", "SOAP"), {"lr": 1e-3, "precondition_frequency": 1}
+
+
+def po_schedule_free_adamw():
+    return _attr("pytorch_optimizer", "ScheduleFreeAdamW"), {"lr": 1e-3}
+
+
+def lion_pytorch():
+    return _attr("lion_pytorch", "Lion"), {"lr": 1e-4}
+
+
+def sf_adamw():
+    return _attr("schedulefree", "AdamWScheduleFree"), {"lr": 1e-3}
+
+
+def sf_sgd():
+    return _attr("schedulefree", "SGDScheduleFree"), {"lr": 1e-2}
+
+
+def sf_radam():
+    return _attr("schedulefree", "RAdamScheduleFree"), {"lr": 1e-3}
+
+
+def sf_wrapped_sgd(params, **kwargs):
+    """schedulefree's ``ScheduleFreeWrapper`` around SGD with momentum 0 (as its docs ask)."""
+    wrapper = _attr("schedulefree", "ScheduleFreeWrapper")
+    return wrapper(torch.optim.SGD(params, lr=kwargs.pop("lr"), momentum=0), **kwargs)
+
+
+def sf_wrapper():
+    return sf_wrapped_sgd, {"lr": 1e-2}
+
+
+def heavyball_adamw():
+    return _attr("heavyball", "AdamW"), {"lr": 1e-3}
+
+
+ZOO: dict[str, Zoo] = {
+    "torch-Muon": Zoo("torch.optim.Muon", muon, matrices_only=True),
+    "po-Lion": Zoo("pytorch_optimizer", po_lion, elementwise=True),
+    "po-ADOPT": Zoo("pytorch_optimizer", po_adopt, elementwise=True),
+    "po-Shampoo": Zoo("pytorch_optimizer", po_shampoo),
+    "po-Lamb": Zoo("pytorch_optimizer", po_lamb),
+    "po-AdEMAMix": Zoo("pytorch_optimizer", po_ademamix, elementwise=True),
+    "po-Adan": Zoo("pytorch_optimizer", po_adan, elementwise=True),
+    "po-StableAdamW": Zoo("pytorch_optimizer", po_stable_adamw),
+    "po-SOAP": Zoo("pytorch_optimizer", po_soap),
+    "po-ScheduleFreeAdamW": Zoo("pytorch_optimizer", po_schedule_free_adamw, elementwise=True),
+    "lion-pytorch-Lion": Zoo("lion_pytorch", lion_pytorch, elementwise=True),
+    "sf-AdamWScheduleFree": Zoo("schedulefree", sf_adamw, elementwise=True),
+    "sf-SGDScheduleFree": Zoo("schedulefree", sf_sgd, elementwise=True),
+    "sf-RAdamScheduleFree": Zoo("schedulefree", sf_radam, elementwise=True),
+    "sf-ScheduleFreeWrapper": Zoo("schedulefree", sf_wrapper),
+    "heavyball-AdamW": Zoo("heavyball", heavyball_adamw, elementwise=True),
+}
+
+
+def available(need: str | None) -> bool:
+    if need is None:
+        return True
+    if need.startswith("torch.optim."):
+        return hasattr(torch.optim, need.rsplit(".", 1)[-1])
+    return importlib.util.find_spec(need) is not None
+
+
+def params(names=None, elementwise=None):
+    """pytest params of the zoo's names (skipped when the package is missing)."""
+    return [
+        pytest.param(
+            name,
+            id=name,
+            marks=pytest.mark.skipif(not available(z.need), reason=f"{z.need} is not installed"),
+        )
+        for name, z in ZOO.items()
+        if (names is None or name in names)
+        and (elementwise is None or z.elementwise == elementwise)
+    ]
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """heavyball compiles its step (minutes on this CPU): run it eagerly, the same math."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
