@@ -143,6 +143,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         self.replicate_group = replicate_group
         self.collective_state_dict = collective_state_dict
         self.auto_refresh = auto_refresh
+        self.allow_cross_param = allow_cross_param
         self._initialized = False
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)

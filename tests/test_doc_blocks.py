@@ -1,5 +1,5 @@
 """Run every ```python block of README.md, docs/migration.md, overlap.md, zero2.md,
-partition.md, checkpoints.md, performance.md and lowbit.md.
+partition.md, checkpoints.md, performance.md, lowbit.md and optimizers.md.
 
 Each page runs as ONE script under torchrun on 2 gloo ranks, in the test's tmp_path: this file
 is also that script (``python -m torch.distributed.run ... tests/test_doc_blocks.py PAGE``). It
@@ -282,6 +282,13 @@ def check_lowbit(ns: dict, out: str) -> None:
         assert same({i: plain.state[p] for i, p in enumerate(params)}, whole)
 
 
+def check_cross_param(ns: dict, out: str) -> None:
+    from pytorch_optimizer import Prodigy
+
+    assert out == "Prodigy cannot be sharded as it is\n", out
+    assert isinstance(ns["opt"].optim, Prodigy) and ns["opt"].allow_cross_param is True
+
+
 def check_auto_refresh_off(ns: dict, out: str) -> None:
     opt, model = ns["opt"], ns["model"]
     assert opt.auto_refresh is False and opt.plan.trainable == (False, True)
@@ -311,9 +318,10 @@ CHECKS: dict[str, list[Check]] = {
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],
     "lowbit.md": [check_lowbit],
+    "optimizers.md": [check_cross_param],
 }
 #: Pages whose blocks use a package oss_plus does not depend on (skipped without it).
-NEEDS = {"migration.md": "fairscale", "lowbit.md": "torchao"}
+NEEDS = {"migration.md": "fairscale", "lowbit.md": "torchao", "optimizers.md": "pytorch_optimizer"}
 #: Files each page must have written, relative to its working directory (the tmp_path).
 WRITES = {
     "migration.md": ["optim.pt", "ckpt/migrated/index.json", "ckpt/step_1000/index.json"],
@@ -330,6 +338,7 @@ WRITES = {
     "README.md": ["optim.pt"],
     "performance.md": [],
     "lowbit.md": ["ckpt/lowbit/index.json", "optim.pt"],
+    "optimizers.md": [],
 }
 #: Pages that call torch.compile through a library (torchao's step): run eagerly, the same
 #: state in seconds instead of a compile per tensor shape (tens of seconds on a CPU).
