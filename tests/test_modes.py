@@ -45,10 +45,11 @@ SCHEDULE_FREE = {
     "radam_sf": (schedulefree.RAdamScheduleFree, {"lr": 0.01, "silent_sgd_phase": False}),
     "wrapper_sf": (sf_wrapper, {"lr": 0.1}),
 }
-if pytorch_optimizer is not None:
-    SCHEDULE_FREE["po_adamw_sf"] = (pytorch_optimizer.ScheduleFreeAdamW, {"lr": 0.01})
 #: The classes the flat rule accepts (step.pieces.ELEMENTWISE_NAMES).
 FLAT = ["adamw_sf", "sgd_sf", "radam_sf"]
+if pytorch_optimizer is not None:
+    SCHEDULE_FREE["po_adamw_sf"] = (pytorch_optimizer.ScheduleFreeAdamW, {"lr": 0.01})
+    FLAT.append("po_adamw_sf")
 STEPS = 3
 
 

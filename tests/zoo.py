@@ -121,7 +121,9 @@ ZOO: dict[str, Zoo] = {
     "sf-SGDScheduleFree": Zoo("schedulefree", sf_sgd, elementwise=True),
     "sf-RAdamScheduleFree": Zoo("schedulefree", sf_radam, elementwise=True),
     "sf-ScheduleFreeWrapper": Zoo("schedulefree", sf_wrapper),
-    "heavyball-AdamW": Zoo("heavyball", heavyball_adamw, elementwise=True),
+    "heavyball-AdamW": Zoo(
+        "heavyball", heavyball_adamw
+    ),  # elementwise eagerly; compiled: not declared
 }
 
 

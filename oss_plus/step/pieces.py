@@ -54,14 +54,23 @@ ELEMENTWISE: set[type] = {
 }
 
 #: Classes of optional packages whose update is elementwise, by ``module.qualname`` (looked
-#: up by name: the core imports none of them). schedulefree's ``step`` is elementwise, and
-#: its ``eval()``/``train()`` too (every param moves towards its own ``z``): it passes the
-#: flat rule's exactness tests (``tests/test_modes.py``).
+#: up by name: the core imports none of them). Each passes the flat rule's exactness tests
+#: (pieces stepped on several ranks, bit for bit the unsharded optimizer's params):
+#: schedulefree's three, whose ``eval()``/``train()`` are elementwise too (every param moves
+#: towards its own ``z``; ``tests/test_modes.py``), and pytorch_optimizer's and
+#: lion-pytorch's (``tests/test_zoo_flat.py``). heavyball's ``AdamW`` passes eagerly but
+#: compiles its step per shape by default, so it is not declared.
 ELEMENTWISE_NAMES: frozenset[str] = frozenset(
     {
         "schedulefree.adamw_schedulefree.AdamWScheduleFree",
         "schedulefree.sgd_schedulefree.SGDScheduleFree",
         "schedulefree.radam_schedulefree.RAdamScheduleFree",
+        "pytorch_optimizer.optimizer.schedulefree.ScheduleFreeAdamW",
+        "pytorch_optimizer.optimizer.lion.Lion",
+        "pytorch_optimizer.optimizer.adopt.ADOPT",
+        "pytorch_optimizer.optimizer.ademamix.AdEMAMix",
+        "pytorch_optimizer.optimizer.adan.Adan",
+        "lion_pytorch.lion_pytorch.Lion",
     }
 )
 
