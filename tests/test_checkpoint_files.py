@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ShampooLike, make_model, params_equal, train
+from helpers import ShampooLike, make_model, params_equal, reseal, train
 from test_checkpoint import OPTIMIZERS, diff
 
 import oss_plus
@@ -172,10 +172,12 @@ def damage(root: Path, how: str) -> str:
             index.unlink()
             return str(root)
         index.write_text(
-            text.replace('"format_version": 1', '"format_version": 0')
+            text.replace('"format_version": 5', '"format_version": 0')
             if how == "other version"
             else text[: len(text) // 2]
         )
+        if how == "other version":
+            reseal(index)  # the version check, behind the checksum
         return "index.json"
     elif how == "file of another save":
         other = root.parent / "other"
@@ -189,6 +191,7 @@ def damage(root: Path, how: str) -> str:
                 info.group(0), f'"name": "{file.name}", "rank": 0, "bytes": {size}'
             )
         )
+        reseal(index)
     elif how == "renamed tensor":
         at = raw.index(b"state.0.exp_avg")
         raw[at : at + 5] = b"stat_"
