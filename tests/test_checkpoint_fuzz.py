@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from helpers import reseal
 from test_checkpoint import diff
@@ -255,7 +254,7 @@ def make_mutations(saved: Path, out: Path) -> tuple[list[tuple[str, Path]], dict
     def files(root: Path) -> list[Path]:
         return sorted(root.iterdir())
 
-    for n in range(14):  # bit flips in the index: the checksum must refuse every one
+    for _ in range(14):  # bit flips in the index: the checksum must refuse every one
         root = copy("")
         mutations[-1] = (f"flip {_flip(root / 'index.json', rng)}", root)
     for s in range(2):
