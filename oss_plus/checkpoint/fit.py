@@ -98,7 +98,7 @@ def group_problems(
             if key not in group:
                 problems.append(
                     f"param group {g} has no {key!r}, a hyperparameter of {cls.__qualname__} "
-                    f"(default {default!r})"
+                    f"(yours is {mine.get(key, default)!r})"
                 )
             elif not (_fits(group[key], default) or _fits(group[key], mine.get(key, default))):
                 problems.append(
