@@ -69,10 +69,10 @@ def _fits(value: Any, reference: Any) -> bool:
 
 def _filled(cls: type, defaults: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
     """``group`` as ``cls.__setstate__`` completes it (torch's ``load_state_dict`` does)."""
-    probe = object.__new__(cls)
+    probe: Any = object.__new__(cls)
     body = {"defaults": dict(defaults), "state": {}, "param_groups": [dict(group, params=[])]}
     try:
-        cls.__setstate__(probe, body)
+        probe.__setstate__(body)
         filled = probe.param_groups[0]
     except Exception:  # noqa: BLE001 - a class whose __setstate__ needs more: fill nothing
         return dict(group)

@@ -41,9 +41,10 @@ def seal(text: str) -> str:
     body = text.rstrip()
     if not body.endswith("}"):
         raise ValueError("seal() needs the text of a JSON object")
-    blank = f'{body[:-1].rstrip()},\n "{CHECKSUM_KEY}": "{_BLANK}"\n}}\n'
-    crc = zlib.crc32(blank.encode("utf-8"))
-    return blank.replace(f'"{CHECKSUM_KEY}": "{_BLANK}"', f'"{CHECKSUM_KEY}": "{crc:08x}"')
+    head = f'{body[:-1].rstrip()},\n "{CHECKSUM_KEY}": "'
+    tail = '"\n}\n'
+    crc = zlib.crc32(tail.encode(), zlib.crc32(_BLANK.encode(), zlib.crc32(head.encode("utf-8"))))
+    return f"{head}{crc:08x}{tail}"
 
 
 def check_seal(text: str, where: str) -> int | None:
