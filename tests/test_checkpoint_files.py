@@ -225,6 +225,9 @@ def test_bad_files_raise_a_clear_error_naming_the_file(good, how):
 def test_no_checkpoint_at_all(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_state_dict(tmp_path / "nothing")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(NotADirectoryError, match="a_file is a file, not a checkpoint directory"):
+        read_state_dict(tmp_path / "a_file")
 
 
 # ------------------------------------------------------------------ atomicity

@@ -295,7 +295,11 @@ class Index:
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if str(exc).startswith(where):
                 raise
-            raise ValueError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"{where}: an entry of an unexpected form ({type(exc).__name__}: {exc}): the "
+                "index is damaged or was not written by oss_plus; restore it from a backup or "
+                "re-save the checkpoint"
+            ) from None
 
     @classmethod
     def _parse(cls, data: dict[str, Any], where: str) -> Index:

@@ -34,6 +34,10 @@ from oss_plus.state.index import state_shape_error
 __all__ = ["check_claims", "check_files", "check_fits", "read_index"]
 
 
+#: The fix of a damaged index.
+_DAMAGED_FIX = "the index is damaged; restore it from a backup or re-save the checkpoint"
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
@@ -67,17 +71,17 @@ def read_index(path: Path) -> Index:
     try:
         text = file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{file}: not UTF-8 ({exc}): the index is damaged; re-save") from None
+        raise ValueError(f"{file}: not UTF-8 ({exc}): {_DAMAGED_FIX}") from None
     crc = check_seal(text, str(file))
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc}): the index is damaged; re-save") from None
-    index = Index.from_json(data, str(file))
-    if crc is None and index.format_version >= SEALED_VERSION:
-        problem = f"format version {index.format_version} without its {CHECKSUM_KEY!r}"
+        raise ValueError(f"{file}: not valid JSON ({exc}): {_DAMAGED_FIX}") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if crc is None and isinstance(version, int) and version >= SEALED_VERSION:
+        problem = f"format version {version} without its {CHECKSUM_KEY!r}"
         raise ValueError(DAMAGED_INDEX.format(where=file, problem=problem))
-    return replace(index, index_crc32=crc)
+    return replace(Index.from_json(data, str(file)), index_crc32=crc)
 
 
 def check_files(path: Path, index: Index) -> None:
