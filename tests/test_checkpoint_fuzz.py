@@ -17,6 +17,7 @@ The loads of one world size run as one task of the shared worker pool.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -239,81 +240,113 @@ def _edit_header(file: Path, rng: random.Random) -> str:
     return f"{file.name} header char {at} {c!r} -> {new!r}"
 
 
-def make_mutations(saved: Path, out: Path) -> tuple[list[tuple[str, Path]], dict[str, Any]]:
-    """Every mutation, each on a fresh copy of a saved checkpoint; (name, path) and extras."""
-    rng = random.Random(SEED)
-    mutations: list[tuple[str, Path]] = []
-    extras: dict[str, Any] = {}
+class Mutations:
+    """The mutations, each on a fresh copy of a saved checkpoint (seeded: reproducible)."""
 
-    def copy(name: str, source: str = "good") -> Path:
-        target = out / f"m{len(mutations):03d}"
-        shutil.copytree(saved / source, target)
-        mutations.append((name, target))
+    def __init__(self, saved: Path, out: Path) -> None:
+        self.saved, self.out, self.rng = saved, out, random.Random(SEED)
+        self.made: list[tuple[str, Path]] = []
+        self.extras: dict[str, Any] = {}  # per resealed edit an exact load keeps: its keys
+
+    def copy(self, name: str, source: str = "good") -> Path:
+        target = self.out / f"m{len(self.made):03d}"
+        shutil.copytree(self.saved / source, target)
+        self.made.append((name, target))
         return target
 
-    def files(root: Path) -> list[Path]:
-        return sorted(root.iterdir())
+    def named(self, describe: Any, source: str = "good") -> None:
+        """A copy damaged by ``describe(root)``, which returns the mutation's name."""
+        root = self.copy("", source)
+        self.made[-1] = (describe(root), root)
 
-    for _ in range(14):  # bit flips in the index: the checksum must refuse every one
-        root = copy("")
-        mutations[-1] = (f"flip {_flip(root / 'index.json', rng)}", root)
-    for s in range(2):
-        for region in ("header", "data"):
-            for _ in range(5):
-                root = copy("")
-                shard = [f for f in files(root) if f.name.startswith(f"shard-0000{s}")][0]
+    def file(self, root: Path, prefix: str) -> Path:
+        return next(f for f in sorted(root.iterdir()) if f.name.startswith(prefix))
+
+    def flips_and_truncations(self) -> None:
+        rng = self.rng
+        for _ in range(14):  # bit flips in the index: the checksum must refuse every one
+            self.named(lambda root: f"flip {_flip(root / 'index.json', rng)}")
+        for s, region, _ in itertools.product(range(2), ("header", "data"), range(5)):
+
+            def flip(root: Path, s: int = s, region: str = region) -> str:
+                shard = self.file(root, f"shard-0000{s}")
                 end = _header_end(shard)
                 lo, hi = (0, end) if region == "header" else (end, None)
-                mutations[-1] = (f"flip {region} {_flip(shard, rng, lo, hi)}", root)
-    for target in ("index.json", "shard-00000", "shard-00001"):
-        for _ in range(2):
-            root = copy("")
-            file = next(f for f in files(root) if f.name.startswith(target))
-            size = rng.randrange(1, file.stat().st_size)
-            file.write_bytes(file.read_bytes()[:size])
-            mutations[-1] = (f"truncate {file.name} to {size}", root)
-    for target in ("index.json", "shard-00000", "shard-00001"):
-        root = copy(f"delete {target}")
-        next(f for f in files(root) if f.name.startswith(target)).unlink()
-        root = copy(f"zero-fill {target}")
-        file = next(f for f in files(root) if f.name.startswith(target))
-        file.write_bytes(bytes(file.stat().st_size))
-    root = copy("swap the two shards")
-    a, b = [f for f in files(root) if f.name.startswith("shard-")]
-    a.rename(root / "tmp"), b.rename(a), (root / "tmp").rename(b)
-    root = copy("a shard in place of the index")
-    shutil.copy(files(root)[1], root / "index.json")
-    root = copy("an extra shard of another save (ignored)")
-    shard = files(root)[1]
-    shutil.copy(shard, root / shard.name.replace(shard.name.split(".")[1], "f" * 16))
-    root = copy("an unrelated extra file (ignored)")
-    (root / "notes.txt").write_text("not part of the checkpoint")
-    root = copy("the shards of another save, under this save's names")
-    for mine, theirs in zip(files(root)[1:], files(saved / "adam")[1:]):
-        shutil.copy(theirs, mine)
-    for name, edit, extra in JSON_EDITS:
-        _edit_json(copy(f"json {name}"), edit, resealed=False)
-        if extra != "raw only":
-            root = copy(f"json {name}, resealed")
-            _edit_json(root, edit, resealed=True)
-            if extra:
-                extras[str(root)] = extra
-    for s in range(2):
-        for _ in range(3):
-            root = copy("")
-            shard = [f for f in files(root) if f.name.startswith(f"shard-0000{s}")][0]
-            mutations[-1] = (f"header {_edit_header(shard, rng)}", root)
-    for other in ("adam", "sgd", "wider"):
-        copy(f"the checkpoint of {other}", other)
-    for name, edit, _ in (JSON_EDITS[2], JSON_EDITS[7], JSON_EDITS[-1]):
-        _edit_json(copy(f"consolidated json {name}", "consolidated"), edit, resealed=False)
-    for name, edit, _ in (JSON_EDITS[2], JSON_EDITS[7], JSON_EDITS[11]):
-        _edit_json(copy(f"consolidated json {name}, resealed", "consolidated"), edit, resealed=True)
-    root = copy("consolidated flip", "consolidated")
-    mutations[-1] = (f"consolidated flip {_flip(files(root)[1], rng)}", root)
-    copy("unchanged (control)")
-    copy("unchanged consolidated (control)", "consolidated")
-    return mutations, extras
+                return f"flip {region} {_flip(shard, rng, lo, hi)}"
+
+            self.named(flip)
+        for target, _ in itertools.product(("index.json", "shard-00000", "shard-00001"), range(2)):
+
+            def truncate(root: Path, target: str = target) -> str:
+                file = self.file(root, target)
+                size = rng.randrange(1, file.stat().st_size)
+                file.write_bytes(file.read_bytes()[:size])
+                return f"truncate {file.name} to {size}"
+
+            self.named(truncate)
+
+    def files(self) -> None:
+        for target in ("index.json", "shard-00000", "shard-00001"):
+            self.file(self.copy(f"delete {target}"), target).unlink()
+            file = self.file(self.copy(f"zero-fill {target}"), target)
+            file.write_bytes(bytes(file.stat().st_size))
+        root = self.copy("swap the two shards")
+        a, b = self.file(root, "shard-00000"), self.file(root, "shard-00001")
+        a.rename(root / "tmp"), b.rename(a), (root / "tmp").rename(b)
+        root = self.copy("a shard in place of the index")
+        shutil.copy(self.file(root, "shard-00000"), root / "index.json")
+        root = self.copy("an extra shard of another save (ignored)")
+        shard = self.file(root, "shard-00001")
+        shutil.copy(shard, root / shard.name.replace(shard.name.split(".")[1], "f" * 16))
+        root = self.copy("an unrelated extra file (ignored)")
+        (root / "notes.txt").write_text("not part of the checkpoint")
+        root = self.copy("the shards of another save, under this save's names")
+        for s in range(2):
+            shutil.copy(
+                self.file(self.saved / "adam", f"shard-0000{s}"), self.file(root, f"shard-0000{s}")
+            )
+
+    def json_edits(self, edits: list[JsonEdit], source: str = "good", raw: bool = True) -> None:
+        prefix = "" if source == "good" else f"{source} "
+        for name, edit, extra in edits:
+            if raw:
+                _edit_json(self.copy(f"{prefix}json {name}", source), edit, resealed=False)
+            if extra != "raw only":
+                root = self.copy(f"{prefix}json {name}, resealed", source)
+                _edit_json(root, edit, resealed=True)
+                if extra:
+                    self.extras[str(root)] = extra
+
+    def headers_and_others(self) -> None:
+        for s, _ in itertools.product(range(2), range(3)):
+            self.named(
+                lambda root, s=s: (
+                    f"header {_edit_header(self.file(root, f'shard-0000{s}'), self.rng)}"
+                )
+            )
+        for other in ("adam", "sgd", "wider"):
+            self.copy(f"the checkpoint of {other}", other)
+
+    def consolidated(self) -> None:
+        self.json_edits([JSON_EDITS[2], JSON_EDITS[7], JSON_EDITS[-1]], "consolidated")
+        self.json_edits([JSON_EDITS[11]], "consolidated", raw=False)
+        self.named(
+            lambda root: f"consolidated flip {_flip(self.file(root, 'state.'), self.rng)}",
+            "consolidated",
+        )
+        self.copy("unchanged (control)")
+        self.copy("unchanged consolidated (control)", "consolidated")
+
+
+def make_mutations(saved: Path, out: Path) -> tuple[list[tuple[str, Path]], dict[str, Any]]:
+    """Every mutation, each on a fresh copy of a saved checkpoint; (name, path) and extras."""
+    mutations = Mutations(saved, out)
+    mutations.flips_and_truncations()
+    mutations.files()
+    mutations.json_edits(JSON_EDITS)
+    mutations.headers_and_others()
+    mutations.consolidated()
+    return mutations.made, mutations.extras
 
 
 def check(outcomes: dict[str, tuple[str, str]], name: str, path: Path) -> str:
@@ -326,8 +359,8 @@ def check(outcomes: dict[str, tuple[str, str]], name: str, path: Path) -> str:
         return f"{name}: not an error on every rank at load: {outcomes}"
     for kind, message in outcomes:
         bare = any(
-            f"{prefix}{name}" in message
-            for name in ("KeyError", "TypeError", "AttributeError")
+            f"{prefix}{error}" in message
+            for error in ("KeyError", "TypeError", "AttributeError")
             for prefix in ("(", "raised ")
         )
         if kind not in CLEAR or str(path) not in message or bare:

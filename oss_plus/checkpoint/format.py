@@ -318,18 +318,7 @@ class Index:
             )
         state = decode_state(need(data, "state", where, dict), where, files)
         version = data["format_version"]
-        for i, entries in state.items():
-            for key, entry in entries.items():
-                if isinstance(entry, PiecesValue):
-                    if version < 3:
-                        raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
-                    check_pieces(entry, f"{where}: state {i} key {key!r}")
-                if (
-                    version < 4
-                    and isinstance(entry, NestedValue)
-                    and holds_subclass(entry.skeleton)
-                ):
-                    raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
+        _check_entries(state, version, where)
         index = cls(
             layout=layout,
             save_id=need_str(data, "save_id", where),
@@ -346,6 +335,18 @@ class Index:
         )
         _check_counts(index, need_int(data, "num_params", where), where)
         return index
+
+
+def _check_entries(state: Mapping[int, Mapping[str, Any]], version: int, where: str) -> None:
+    """Check that each entry's kind exists in ``version`` and that pieces cover their tensor."""
+    for i, entries in state.items():
+        for key, entry in entries.items():
+            if isinstance(entry, PiecesValue):
+                if version < 3:
+                    raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
+                check_pieces(entry, f"{where}: state {i} key {key!r}")
+            if version < 4 and isinstance(entry, NestedValue) and holds_subclass(entry.skeleton):
+                raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
 
 
 def _parse_params(params: Any, where: str) -> list[dict[str, Any]] | None:
