@@ -580,3 +580,20 @@ def counts_while_holding_the_gil(
     finally:
         sys.setswitchinterval(interval)
     return before, after
+
+
+# ------------------------------------------------------------------ checkpoints
+def reseal(index_file: Any) -> None:
+    """Recompute the checksum of an ``index.json`` edited by a test (format version 5).
+
+    A test that edits an index to check what the validation behind the checksum refuses
+    reseals it, as a buggy writer (or a hand edit that also fixes the checksum) would.
+    """
+    import re
+    from pathlib import Path
+
+    from oss_plus.checkpoint.seal import CHECKSUM_KEY, seal
+
+    path = Path(index_file)
+    text = re.sub(rf',?\s*"{CHECKSUM_KEY}"\s*:\s*"[^"]*"', "", path.read_text("utf-8"))
+    path.write_text(seal(text), "utf-8")

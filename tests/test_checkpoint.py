@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import WORLD_IDS, WORLDS, catch, make_model, params_equal, train
+from helpers import WORLD_IDS, WORLDS, catch, make_model, params_equal, reseal, train
 from safetensors.torch import load_file, save_file
 
 from oss_plus import OSS, load_checkpoint, save_checkpoint
@@ -589,7 +589,8 @@ def corrupt(root: Path, how: str) -> str:
         shard.unlink()
     elif how == "other version":
         index = root / "index.json"
-        index.write_text(index.read_text().replace('"format_version": 1', '"format_version": 7'))
+        index.write_text(index.read_text().replace('"format_version": 5', '"format_version": 7'))
+        reseal(index)  # the version check, behind the checksum
         return "index.json"
     return shard.name
 

@@ -8,6 +8,7 @@ import io
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +51,22 @@ def test_inspect_prints_params_state_dtypes_sizes_groups_and_world_size(pool, tm
     assert row.split()[:7] == ["2", "0", "1", "10x8", "F32", "yes", "964"]
     assert "exp_avg:F32[10x8]" in row and "step:F32[scalar]" in row and "max_exp_avg_sq" in row
     assert "verified" not in out
+    assert re.search(r"checksum:   index.json crc32 [0-9a-f]{8} \(matches\)", out)
+
+
+def test_inspect_refuses_an_edited_index_and_says_an_old_one_carries_no_checksum(
+    pool, tmp_path, capsys
+):
+    pool.run(save_task, str(tmp_path / "c"), world_size=2)
+    index = tmp_path / "c" / "index.json"
+    index.write_text(index.read_text().replace('"lr": {"float": 0.01}', '"lr": {"float": 0.02}'))
+    for args in (["inspect"], ["inspect", "--verify"]):
+        code, out, err = run(capsys, *args, tmp_path / "c")
+        assert code == 2 and out == "" and str(index) in err and "checksum is" in err
+    old = Path(__file__).parent / "fixtures" / "checkpoint_v1" / "sharded"
+    code, out, _ = run(capsys, "inspect", "--verify", old)
+    assert code == 0 and "format v1" in out and "verified:" in out
+    assert "checksum:   no index checksum (format v1 predates it" in out
 
 
 def test_inspect_verify_reads_every_tensor_and_reports_corruption(pool, tmp_path, capsys):

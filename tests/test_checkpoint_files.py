@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ShampooLike, make_model, params_equal, train
+from helpers import ShampooLike, make_model, params_equal, reseal, train
 from test_checkpoint import OPTIMIZERS, diff
 
 import oss_plus
@@ -172,10 +172,12 @@ def damage(root: Path, how: str) -> str:
             index.unlink()
             return str(root)
         index.write_text(
-            text.replace('"format_version": 1', '"format_version": 0')
+            text.replace('"format_version": 5', '"format_version": 0')
             if how == "other version"
             else text[: len(text) // 2]
         )
+        if how == "other version":
+            reseal(index)  # the version check, behind the checksum
         return "index.json"
     elif how == "file of another save":
         other = root.parent / "other"
@@ -189,6 +191,7 @@ def damage(root: Path, how: str) -> str:
                 info.group(0), f'"name": "{file.name}", "rank": 0, "bytes": {size}'
             )
         )
+        reseal(index)
     elif how == "renamed tensor":
         at = raw.index(b"state.0.exp_avg")
         raw[at : at + 5] = b"stat_"
@@ -222,6 +225,9 @@ def test_bad_files_raise_a_clear_error_naming_the_file(good, how):
 def test_no_checkpoint_at_all(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_state_dict(tmp_path / "nothing")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(NotADirectoryError, match="a_file is a file, not a checkpoint directory"):
+        read_state_dict(tmp_path / "a_file")
 
 
 # ------------------------------------------------------------------ atomicity

@@ -213,7 +213,7 @@ def test_the_index_round_trips_through_its_json_text():
     ("change", "message"),
     [
         ({"format": "other"}, "not an oss_plus checkpoint index"),
-        ({"format_version": 5}, "format version 5.*reads versions 1, 2, 3, 4 only.*upgrade"),
+        ({"format_version": 6}, "format version 6.*reads versions 1, 2, 3, 4, 5 only.*upgrade"),
         ({"format_version": True}, "format version True.*damaged"),
         ({"format_version": "1"}, "format version '1'.*damaged"),
         ({"layout": "striped"}, "unknown layout"),
@@ -221,7 +221,12 @@ def test_the_index_round_trips_through_its_json_text():
         ({"files": []}, "does not list"),
         ({"state": {"9": {}}}, "state for param 9"),
         ({"param_groups": [{"params": [0, 1, 2], "lr": {"bogus": 1}}]}, "group 0 key 'lr'"),
-        ({"params": None, "state": {"0": {"m": {"tensor": {"name": "x"}}}}}, "malformed index"),
+        (
+            {"params": None, "state": {"0": {"m": {"tensor": {"name": "x"}}}}},
+            "key 'm'.*field 'file' is missing",
+        ),
+        ({"num_params": None}, "field 'num_params' is None, expected a int"),
+        ({"params": [{"dtype": "F32", "trainable": True}] * 3}, r"params\[0\].*'shape'"),
     ],
 )
 def test_bad_indexes_raise_naming_the_file_and_the_problem(change, message):
@@ -261,9 +266,9 @@ def test_nested_values_are_written_under_their_paths_and_read_back_exactly(tmp_p
         assert torch.equal(handle.get_tensor("state.0.pre/7/deep"), PRE[7]["deep"])
     files = {"f.safetensors": {"rank": 0, "bytes": 1}}
     index = _index(files=files, state=written, params=None, partition=None)
-    assert index.format_version == 2
+    assert index.format_version == 5 and index.content_version == 2
     text = index.dumps()
-    assert json.loads(text)["format_version"] == 2
+    assert json.loads(text)["format_version"] == 5
     assert Index.from_json(json.loads(text), "index.json") == index
 
 
@@ -278,8 +283,9 @@ def test_a_name_a_param_already_uses_is_made_unique(tmp_path):
         assert torch.equal(handle.get_tensor("state.0.a/0~"), inner)
 
 
-def test_indexes_without_nested_state_stay_version_1_for_older_readers():
-    assert json.loads(_index().dumps())["format_version"] == 1
+def test_indexes_are_written_as_version_5_and_older_versions_still_parse():
+    assert json.loads(_index().dumps())["format_version"] == 5
+    assert _index().content_version == 1  # what a version-1 reader could hold
     data = json.loads(_index().dumps())
     assert Index.from_json({**data, "format_version": 2}, "index.json") == _index()
 
@@ -287,7 +293,7 @@ def test_indexes_without_nested_state_stay_version_1_for_older_readers():
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"nested": [{"tensor": 0}, {"tensor": 1}], "tensors": []}, "tensor 0 is missing"),
+        ({"nested": [{"tensor": 0}, {"tensor": 1}], "tensors": []}, "2 tensor placeholders for 0"),
         ({"nested": [1], "tensors": ["REF"]}, "0 tensor placeholders for 1 tensors"),
         ({"nested": {"bogus": 1}, "tensors": []}, "unknown or malformed tag"),
         ({"nested": [{"tensor": 0}], "tensors": ["OTHER FILE"]}, "which the index does not list"),

@@ -121,7 +121,7 @@ def test_the_index_keeps_structure_in_json_and_tensors_in_safetensors(saved):
     root, _ = saved
     for name in ("sharded-sync", "consolidated-sync"):
         index = json.loads((root / name / "index.json").read_text())
-        assert index["format_version"] == 2
+        assert index["format_version"] == 5
         pre = index["state"]["0"]["pre"]
         assert pre["nested"]["dict"][0] == ["mats", [{"tensor": 0}, {"tensor": 1}]]
         assert [t["name"] for t in pre["tensors"]] == ["state.0.pre/mats/0", "state.0.pre/mats/1"]
@@ -142,7 +142,7 @@ def test_inspect_shows_the_structure_with_dtypes_and_shapes(saved, capsys):
     root, _ = saved
     assert main(["ckpt", "inspect", "--verify", str(root / "consolidated-async")]) == 0
     out = capsys.readouterr().out
-    assert "format v2, consolidated layout" in out
+    assert "format v5, consolidated layout" in out
     params = list(make_model().parameters())
     shape = "x".join(map(str, params[0].shape))
     row = next(line for line in out.splitlines() if line.startswith("0 "))

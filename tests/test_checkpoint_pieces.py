@@ -21,6 +21,7 @@ from helpers import (
     make_cut_model,
     make_model,
     params_equal,
+    reseal,
 )
 from helpers import backward as backward_of
 from safetensors.torch import load_file, save_file
@@ -103,15 +104,15 @@ def test_pieces_that_do_not_cover_the_tensor_are_refused(parts, words):
         check_pieces(bad_dtype, "x")
 
 
-def test_the_version_is_3_only_with_pieces_and_pieces_round_trip_through_json():
+def test_pieces_need_version_3_and_round_trip_through_json():
     files = {"f": {"rank": 0, "bytes": 0}}
     groups = [{"lr": 0.1, "params": [0]}]
     plain = Index("sharded", "0" * 16, groups, files, {0: {"m": _ref(0, 10)}})
-    assert plain.to_json()["format_version"] == 1
+    assert plain.content_version == 1 and plain.to_json()["format_version"] == 5
     pieces = PiecesValue((2, 5), ((0, 4, _ref(0, 4)), (4, 10, _ref(4, 10))))
     index = Index("sharded", "0" * 16, groups, files, {0: {"m": pieces}})
     data = json.loads(index.dumps())
-    assert data["format_version"] == 3
+    assert index.content_version == 3 and data["format_version"] == 5
     assert data["state"]["0"]["m"]["shape"] == [2, 5]
     assert [p["start"] for p in data["state"]["0"]["m"]["pieces"]] == [0, 4]
     assert Index.from_json(data, "index.json").state == index.state
@@ -195,9 +196,9 @@ def test_every_rank_writes_its_own_pieces_and_read_state_dict_is_the_unsharded_s
     world, pieces = results[0]["world"], results[0]["pieces"]
     index, stored = _pieces_in(root / wid / "flat-sharded")
     if world == 1:
-        assert index["format_version"] == 1 and not stored and not pieces
+        assert index["format_version"] == 5 and not stored and not pieces
         return
-    assert pieces and index["format_version"] == 3 and index["partition_rule"] == "flat"
+    assert pieces and index["format_version"] == 5 and index["partition_rule"] == "flat"
     split = {i for i, _, _, _ in pieces}
     assert {i for i, _ in stored} == split and {k for _, k in stored} == {"exp_avg", "exp_avg_sq"}
     for (i, key), parts in stored.items():  # each piece in the shard of the rank that owns it
@@ -367,7 +368,7 @@ def test_an_asynchronous_save_of_pieces_holds_the_state_at_the_call(pool, tmp_pa
             for layout, problems in r["problems"].items():
                 assert problems == (None, None), (rank, layout, problems)
         index, stored = _pieces_in(root / "flat-sharded")
-        assert index["format_version"] == 3 and stored
+        assert index["format_version"] == 5 and stored
 
 
 # ------------------------------------------------------------------ bad pieces
@@ -404,6 +405,7 @@ def _damage(root: Path, how: str) -> None:
     elif how == "pieces not covering":
         entry["pieces"][0]["end"] -= 1
     index_file.write_text(json.dumps(index))
+    reseal(index_file)  # what the validation behind the checksum refuses
 
 
 BAD = {
@@ -434,7 +436,8 @@ def test_inspect_shows_the_stitched_shapes_and_the_pieces(saved, capsys):
     root, _ = saved
     assert main(["ckpt", "inspect", "--verify", str(root / "ws3" / "flat-sharded")]) == 0
     out = capsys.readouterr().out
-    assert "format v3" in out and "partition rule flat" in out
+    assert "format v5" in out and "partition rule flat" in out
+    assert "checksum:   index.json crc32 " in out
     assert "pieces" in out and "verified:" in out
     index, stored = _pieces_in(root / "ws3" / "flat-sharded")
     (i, key), parts = next(iter(stored.items()))

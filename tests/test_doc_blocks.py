@@ -274,7 +274,7 @@ def check_lowbit(ns: dict, out: str) -> None:
     whole = opt.state_dict(all_ranks=True)["state"]
     assert sum(isinstance(v, OptimState8bit) for s in whole.values() for v in s.values()) == 4
     assert same(resumed.state_dict(all_ranks=True)["state"], whole)
-    assert json.loads(Path("ckpt/lowbit/index.json").read_text())["format_version"] == 4
+    assert json.loads(Path("ckpt/lowbit/index.json").read_text())["format_version"] == 5
     if rank() == 0:
         plain = AdamW8bit(copy.deepcopy(ns["model"].module).parameters(), lr=1e-3)
         plain.load_state_dict(torch.load("optim.pt", weights_only=True))

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from helpers import reseal
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import oss_plus
@@ -179,13 +180,13 @@ def test_torchao_states_are_known_and_round_trip_exactly():
         assert torch.equal(rebuilt.dequantize(), value.dequantize())
 
 
-def test_a_file_round_trip_needs_version_4_and_the_class_on_the_list(tmp_path, capsys):
+def test_a_file_round_trip_needs_version_4_content_and_the_class_on_the_list(tmp_path, capsys):
     from oss_plus.checkpoint import read_state_dict, write_state_dict
 
     sd = {"state": {0: {"m": scaled([1.0, 2.0]), "step": 3}}, "param_groups": [{"params": [0]}]}
     write_state_dict(sd, tmp_path / "ck")
     index = json.loads((tmp_path / "ck" / "index.json").read_text())
-    assert index["format_version"] == 4
+    assert index["format_version"] == 5  # version-4 content, and the index checksum
     assert index["state"]["0"]["m"]["tensors"][0]["name"] == "state.0.m/payload"
     back = read_state_dict(tmp_path / "ck")
     assert same_scaled(back["state"][0]["m"], sd["state"][0]["m"])
@@ -201,6 +202,7 @@ def test_a_file_round_trip_needs_version_4_and_the_class_on_the_list(tmp_path, c
         subclass_module._REGISTERED[class_name(Scaled)] = saved
     index["format_version"] = 3  # what a version-3 reader would misread
     (tmp_path / "ck" / "index.json").write_text(json.dumps(index))
+    reseal(tmp_path / "ck" / "index.json")
     with pytest.raises(ValueError, match="a tensor subclass in a version-3 index"):
         read_state_dict(tmp_path / "ck")
 
@@ -296,10 +298,10 @@ def registered_task(ctx, root, forget, sharded):
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "consolidated"])
 def test_a_registered_class_travels_and_an_unknown_one_is_named_on_load(pool, tmp_path, sharded):
     ok = pool.run(registered_task, str(tmp_path / "a"), False, sharded, world_size=2)
-    assert ok == [(4, "ok")] * 2
+    assert ok == [(5, "ok")] * 2
     outcomes = pool.run(registered_task, str(tmp_path / "b"), True, sharded, world_size=2)
     for version, text in outcomes:
-        assert version == 4
+        assert version == 5
         assert text.startswith("ValueError") and class_name(Scaled) in text, text
 
 

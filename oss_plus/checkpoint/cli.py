@@ -1,6 +1,7 @@
 """``python -m oss_plus ckpt inspect PATH`` and ``ckpt convert IN.pt OUT_DIR``.
 
-``inspect`` prints what a checkpoint holds (reading only its index unless ``--verify``);
+``inspect`` prints what a checkpoint holds (reading only its index, whose checksum it checks,
+and the data files' headers, unless ``--verify``, which also reads and checks every tensor);
 ``convert`` migrates a ``.pt`` optimizer state dict (torch, fairscale OSS, torch ZeRO) to an
 oss_plus checkpoint, reading it with ``torch.load(weights_only=True)``.
 """
@@ -108,6 +109,7 @@ def _state_cell(entries: Mapping[str, Any]) -> tuple[str, int]:
 def _print_summary(root: Path, index: Index, out: TextIO) -> None:
     version, layout = index.format_version, index.layout
     print(f"checkpoint {root}: format v{version}, {layout} layout, save {index.save_id}", file=out)
+    print(f"checksum:   {_checksum_line(index)}", file=out)
     print(f"created by: {index.created_by or 'unknown'}", file=out)
     print(f"optimizer:  {index.optimizer or 'unknown (converted from a state dict)'}", file=out)
     saved = f"{index.world_size} ranks" if index.world_size else "unknown world size"
@@ -123,6 +125,16 @@ def _print_summary(root: Path, index: Index, out: TextIO) -> None:
         hyper = ", ".join(f"{k}={v!r}" for k, v in group.items() if k != "params")
         print(f"  group {g}: {len(group['params'])} params; {hyper}", file=out)
     print(f"params:     {index.num_params} ({len(index.state)} with state)", file=out)
+
+
+def _checksum_line(index: Index) -> str:
+    """What covers the index: its checksum (checked on reading), or that it carries none."""
+    if index.index_crc32 is not None:
+        return f"index.json crc32 {index.index_crc32:08x} (matches)"
+    return (
+        f"no index checksum (format v{index.format_version} predates it; re-save with this "
+        "oss_plus to add one)"
+    )
 
 
 def _param_rows(index: Index) -> list[list[str]]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from oss_plus.checkpoint.fields import BAD_FIELD, need, need_int, need_ints, need_list, need_str
 from oss_plus.checkpoint.values import decode_value, encode_value, torch_dtype
 from oss_plus.state.nested import tensor_paths, unflatten_value
 
@@ -202,54 +203,83 @@ def decode_state(
 
     The pieces of a :class:`PiecesValue` are sorted by start but not checked for coverage
     (the metadata of one rank holds its own piece only): :func:`check_pieces` does that.
+    Each tensor's recorded name must be the one its flat index and key give
+    (:func:`tensor_name`, :func:`piece_name`, :func:`nested_names`, with ``~`` appended
+    when a name was taken), so a renamed key cannot claim another key's tensor.
 
     Raises:
-        ValueError: a malformed entry (named by index and key) or an unlisted file.
+        ValueError: a malformed entry or a missing field (named by index, key and field),
+            an unlisted file, or a tensor stored under another key's name.
     """
-    return {
-        int(i): {
-            k: _parse_entry(e, f"{where}: state {i} key {k!r}", files) for k, e in entries.items()
+    if not isinstance(data, dict):
+        raise ValueError(BAD_FIELD.format(where=where, problem="'state' is not a JSON object"))
+    decoded: dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]] = {}
+    for i, entries in data.items():
+        if not str(i).isdigit() or not isinstance(entries, dict):
+            problem = f"state entry {i!r} is not a flat index mapped to an object of keys"
+            raise ValueError(BAD_FIELD.format(where=where, problem=problem))
+        decoded[int(i)] = {
+            k: _parse_entry(e, f"{where}: state {i} key {k!r}", files, int(i), k)
+            for k, e in entries.items()
         }
-        for i, entries in data.items()
-    }
+    return decoded
 
 
 def _parse_entry(
-    entry: Any, where: str, files: Mapping[str, Any]
+    entry: Any, where: str, files: Mapping[str, Any], i: int, key: str
 ) -> TensorRef | PlainValue | NestedValue | PiecesValue:
+    if not isinstance(entry, dict):
+        raise ValueError(BAD_FIELD.format(where=where, problem="the entry is not an object"))
     if "value" in entry:
         return PlainValue(decode_value(entry["value"], where))
     if "pieces" in entry:
-        parts = [
-            (int(p["start"]), int(p["end"]), _parse_ref(p["tensor"], where, files))
-            for p in entry["pieces"]
-        ]
-        shape = tuple(int(s) for s in entry["shape"])
+        parts = []
+        for n, p in enumerate(need_list(entry, "pieces", where)):
+            at = f"{where} piece {n}"
+            start = need_int(p, "start", at)
+            ref = _parse_ref(need(p, "tensor", at), at, files, piece_name(i, key, start))
+            parts.append((start, need_int(p, "end", at), ref))
+        shape = tuple(need_ints(entry, "shape", where))
         return PiecesValue(shape, tuple(sorted(parts, key=_start)))
     if "nested" in entry:
-        refs = tuple(_parse_ref(ref, where, files) for ref in entry["tensors"])
+        skeleton = entry["nested"]
+        names = nested_names(i, key, skeleton)
+        tensors = need_list(entry, "tensors", where)
+        if len(names) != len(tensors):
+            problem = f"{len(names)} tensor placeholders for {len(tensors)} tensors"
+            raise ValueError(BAD_FIELD.format(where=where, problem=problem))
+        refs = tuple(
+            _parse_ref(ref, f"{where} tensor {n}", files, names[n]) for n, ref in enumerate(tensors)
+        )
         # raises ValueError if malformed; a subclass is rebuilt (allow-list) only when loaded
-        unflatten_value(entry["nested"], refs, where, on_subclass=_structure_only)
-        placeholders = len(tensor_paths(entry["nested"]))
-        if placeholders != len(refs):
-            raise ValueError(f"{where}: {placeholders} tensor placeholders for {len(refs)} tensors")
-        return NestedValue(entry["nested"], refs)
-    return _parse_ref(entry["tensor"], where, files)
+        unflatten_value(skeleton, refs, where, on_subclass=_structure_only)
+        return NestedValue(skeleton, refs)
+    if "tensor" not in entry:
+        problem = "the entry has none of the fields 'tensor', 'value', 'nested', 'pieces'"
+        raise ValueError(BAD_FIELD.format(where=where, problem=problem))
+    return _parse_ref(entry["tensor"], where, files, tensor_name(i, key))
 
 
 def _structure_only(*_: Any) -> None:
     """A subclass node, checked for its structure only (see ``unflatten_value``)."""
 
 
-def _parse_ref(ref: Any, where: str, files: Mapping[str, Any]) -> TensorRef:
+def _parse_ref(ref: Any, where: str, files: Mapping[str, Any], expected: str) -> TensorRef:
     parsed = TensorRef(
-        str(ref["file"]),
-        str(ref["name"]),
-        str(ref["dtype"]),
-        tuple(int(s) for s in ref["shape"]),
-        int(ref["crc32"]),
+        need_str(ref, "file", where),
+        need_str(ref, "name", where),
+        need_str(ref, "dtype", where),
+        tuple(need_ints(ref, "shape", where)),
+        need_int(ref, "crc32", where),
     )
     torch_dtype(parsed.dtype, where)
     if parsed.file not in files:
         raise ValueError(f"{where}: refers to file {parsed.file!r}, which the index does not list")
+    suffix = parsed.name[len(expected) :]
+    if not parsed.name.startswith(expected) or suffix.strip("~"):
+        raise ValueError(
+            f"{where}: names the stored tensor {parsed.name!r}, but this entry's tensor is "
+            f"stored as {expected!r}: the key or the name was changed; restore the index "
+            "from a backup or re-save the checkpoint"
+        )
     return parsed

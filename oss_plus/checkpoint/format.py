@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,8 @@ from oss_plus.checkpoint.entries import (
     piece_name,
     tensor_name,
 )
+from oss_plus.checkpoint.fields import BAD_FIELD, need, need_int, need_ints, need_list, need_str
+from oss_plus.checkpoint.seal import seal
 from oss_plus.checkpoint.values import decode_value, encode_value
 from oss_plus.state.nested import holds_subclass
 
@@ -61,13 +63,16 @@ __all__ = [
 
 #: Value of the ``format`` key of every index.
 FORMAT_NAME = "oss_plus.optimizer_checkpoint"
-#: The newest version this module reads and writes. A save writes version 1 unless its state
-#: holds tensors inside containers (:class:`NestedValue`, version 2) or tensors stored as
-#: pieces (:class:`PiecesValue`, version 3) or tensor subclasses (torchao's low-bit states in a
-#: :class:`NestedValue`, version 4), so older readers still read every checkpoint they can.
-FORMAT_VERSION = 4
+#: The version this module writes, the newest it reads. Version 5 adds the checksum of the
+#: index (:mod:`oss_plus.checkpoint.seal`), which every save writes. Versions 1-4 are read
+#: as before: 2 adds tensors inside containers (:class:`NestedValue`), 3 tensors stored as
+#: pieces (:class:`PiecesValue`), 4 tensor subclasses (torchao's low-bit states in a
+#: :class:`NestedValue`); they carry no index checksum.
+FORMAT_VERSION = 5
 #: The versions this module reads.
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+#: The first version whose index carries a checksum (and must).
+SEALED_VERSION = 5
 #: Name of the index inside a checkpoint directory (the commit point of a save).
 INDEX_FILE = "index.json"
 #: Key of the save id in the ``__metadata__`` of every data file.
@@ -152,17 +157,23 @@ def encode_groups(param_groups: Sequence[Mapping[str, Any]], where: str) -> list
     return encoded
 
 
-def decode_groups(groups: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, Any]]:
-    """Decode what :func:`encode_groups` produced (``params`` stay lists of ints)."""
-    return [
-        {
-            k: [int(i) for i in v]
-            if k == "params"
-            else decode_value(v, f"{where}: group {g} key {k!r}")
-            for k, v in group.items()
-        }
-        for g, group in enumerate(groups)
-    ]
+def decode_groups(groups: Any, where: str) -> list[dict[str, Any]]:
+    """Decode what :func:`encode_groups` produced (``params`` stay lists of ints).
+
+    Raises:
+        ValueError: not a list of objects, or a group without ``params`` (named).
+    """
+    if not isinstance(groups, list):
+        problem = f"'param_groups' is {type(groups).__name__}, expected a list"
+        raise ValueError(BAD_FIELD.format(where=where, problem=problem))
+    decoded = []
+    for g, group in enumerate(groups):
+        at = f"{where}: param group {g}"
+        params = need_ints(group, "params", at)
+        entry = {k: decode_value(v, f"{at} key {k!r}") for k, v in group.items() if k != "params"}
+        entry["params"] = params
+        decoded.append(entry)
+    return decoded
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,10 @@ class Index:
     partition: list[list[int]] | None = None
     partition_rule: str | None = None
     created_by: str = ""
+    #: The version the index was read with (None: an index being written).
+    read_version: int | None = field(default=None, compare=False)
+    #: The index checksum it was read with (None: written, or an older format without one).
+    index_crc32: int | None = field(default=None, compare=False)
 
     @property
     def num_params(self) -> int:
@@ -193,7 +208,12 @@ class Index:
 
     @property
     def format_version(self) -> int:
-        """The version this index is written with: the lowest that can hold its state."""
+        """The version this index was read with, or is written with (:data:`FORMAT_VERSION`)."""
+        return FORMAT_VERSION if self.read_version is None else self.read_version
+
+    @property
+    def content_version(self) -> int:
+        """The lowest version of 1-4 that can hold this index's state (before checksums)."""
         values = [v for e in self.state.values() for v in e.values()]
         kinds = {type(v) for v in values}
         if any(isinstance(v, NestedValue) and holds_subclass(v.skeleton) for v in values):
@@ -208,7 +228,7 @@ class Index:
         """
         return {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,
             "layout": self.layout,
             "save_id": self.save_id,
             "created_by": self.created_by,
@@ -224,7 +244,8 @@ class Index:
         }
 
     def dumps(self) -> str:
-        """Return the text of ``index.json``: one line per key, param, group, file and state.
+        """Return the text of ``index.json``: one line per key, param, group, file and state,
+        and last its checksum (:func:`oss_plus.checkpoint.seal.seal`).
 
         Raises:
             TypeError: a hyperparameter or state value cannot be stored.
@@ -246,7 +267,7 @@ class Index:
             else:
                 body = compact(value)
             lines.append(f" {compact(key)}: {body}")
-        return "{\n" + ",\n".join(lines) + "\n}\n"
+        return seal("{\n" + ",\n".join(lines) + "\n}\n")
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Index:
@@ -274,55 +295,91 @@ class Index:
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if str(exc).startswith(where):
                 raise
-            raise ValueError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"{where}: an entry of an unexpected form ({type(exc).__name__}: {exc}): the "
+                "index is damaged or was not written by oss_plus; restore it from a backup or "
+                "re-save the checkpoint"
+            ) from None
 
     @classmethod
     def _parse(cls, data: dict[str, Any], where: str) -> Index:
-        files = {
-            str(f["name"]): {"rank": int(f["rank"]), "bytes": int(f["bytes"])}
-            for f in data["files"]
-        }
-        if data["layout"] not in (SHARDED, CONSOLIDATED):
-            raise ValueError(f"{where}: unknown layout {data['layout']!r}")
-        state = decode_state(data["state"], where, files)
+        files = {}
+        for n, f in enumerate(need_list(data, "files", where)):
+            at = f"{where}: files[{n}]"
+            files[need_str(f, "name", at)] = {
+                "rank": need_int(f, "rank", at),
+                "bytes": need_int(f, "bytes", at),
+            }
+        layout = need_str(data, "layout", where)
+        if layout not in (SHARDED, CONSOLIDATED):
+            raise ValueError(
+                f"{where}: unknown layout {layout!r} (expected {SHARDED!r} or "
+                f"{CONSOLIDATED!r}): the index is damaged; re-save the checkpoint"
+            )
+        state = decode_state(need(data, "state", where, dict), where, files)
         version = data["format_version"]
-        for i, entries in state.items():
-            for key, entry in entries.items():
-                if isinstance(entry, PiecesValue):
-                    if version < 3:
-                        raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
-                    check_pieces(entry, f"{where}: state {i} key {key!r}")
-                if (
-                    version < 4
-                    and isinstance(entry, NestedValue)
-                    and holds_subclass(entry.skeleton)
-                ):
-                    raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
+        _check_entries(state, version, where)
         index = cls(
-            layout=data["layout"],
-            save_id=str(data["save_id"]),
-            param_groups=decode_groups(data["param_groups"], where),
+            layout=layout,
+            save_id=need_str(data, "save_id", where),
+            param_groups=decode_groups(need(data, "param_groups", where), where),
             files=files,
             state=state,
-            params=data.get("params"),
+            params=_parse_params(data.get("params"), where),
             optimizer=data.get("optimizer"),
             world_size=data.get("world_size"),
             partition=data.get("partition"),
             partition_rule=data.get("partition_rule"),
             created_by=str(data.get("created_by", "")),
+            read_version=version,
         )
-        _check_counts(index, data.get("num_params"), where)
+        _check_counts(index, need_int(data, "num_params", where), where)
         return index
 
 
-def _check_counts(index: Index, num_params: Any, where: str) -> None:
+def _check_entries(state: Mapping[int, Mapping[str, Any]], version: int, where: str) -> None:
+    """Check that each entry's kind exists in ``version`` and that pieces cover their tensor."""
+    for i, entries in state.items():
+        for key, entry in entries.items():
+            if isinstance(entry, PiecesValue):
+                if version < 3:
+                    raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
+                check_pieces(entry, f"{where}: state {i} key {key!r}")
+            if version < 4 and isinstance(entry, NestedValue) and holds_subclass(entry.skeleton):
+                raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
+
+
+def _parse_params(params: Any, where: str) -> list[dict[str, Any]] | None:
+    """Check every entry of ``params``: a shape (list of ints), a dtype string, a bool."""
+    if params is None:
+        return None
+    if not isinstance(params, list):
+        problem = f"'params' is {type(params).__name__}, expected a list or null"
+        raise ValueError(BAD_FIELD.format(where=where, problem=problem))
+    for i, info in enumerate(params):
+        at = f"{where}: params[{i}]"
+        need_ints(info, "shape", at)
+        need_str(info, "dtype", at)
+        need(info, "trainable", at, bool)
+    return params
+
+
+def _check_counts(index: Index, num_params: int, where: str) -> None:
     flat = [i for g in index.param_groups for i in g["params"]]
     if flat != list(range(len(flat))) or num_params != len(flat):
-        raise ValueError(f"{where}: param_groups must list flat indices 0..{num_params}-1 in order")
+        raise ValueError(
+            f"{where}: 'num_params' is {num_params} and the param groups list the flat indices "
+            f"{flat}, but they must list 0..{num_params - 1} once each, in order: the index is "
+            "damaged; restore it or re-save the checkpoint"
+        )
     if index.params is not None and len(index.params) != len(flat):
         raise ValueError(
-            f"{where}: 'params' has {len(index.params)} entries for {len(flat)} params"
+            f"{where}: 'params' has {len(index.params)} entries for {len(flat)} params: the "
+            "index is damaged; restore it or re-save the checkpoint"
         )
     unknown = [i for i in index.state if not 0 <= i < len(flat)]
     if unknown:
-        raise ValueError(f"{where}: state for param {unknown[0]}, which no param group lists")
+        raise ValueError(
+            f"{where}: state for param {unknown[0]}, which no param group lists: the index is "
+            "damaged; restore it or re-save the checkpoint"
+        )

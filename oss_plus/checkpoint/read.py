@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from oss_plus.checkpoint.assemble import read_states
-from oss_plus.checkpoint.format import INDEX_FILE, Index
+from oss_plus.checkpoint.fit import check_groups
+from oss_plus.checkpoint.format import INDEX_FILE
 from oss_plus.checkpoint.plan import check_optimizer, local_pieces
 from oss_plus.checkpoint.validate import check_files, check_fits, read_index
 from oss_plus.runtime import arrival as _arrival
@@ -29,7 +30,9 @@ __all__ = ["load_checkpoint", "read_state_dict"]
 logger = logging.getLogger(__name__)
 
 
-def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
+def load_checkpoint(
+    optimizer: Any, path: str | os.PathLike[str], *, allow_other_optimizer: bool = False
+) -> None:
     """Load a checkpoint saved by :func:`save_checkpoint` or :func:`write_state_dict`.
 
     Works for both layouts at any world size and under any partition rule, whatever the
@@ -42,18 +45,33 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     ``get_slice``, which checks dtype and shape but not the checksum).
     Param groups are restored exactly (``betas`` stays a tuple, ints stay ints) and
     non-tensor state comes from JSON; nothing is unpickled. Everything is validated before
-    the optimizer is touched; an error on any rank is raised on every rank.
+    the optimizer is touched; an error on any rank is raised on every rank: the index's
+    checksum (format version 5), every required field, every saved group against the inner
+    optimizer's hyperparameters (its ``defaults``: each must be there with a value of its
+    type; other keys, a scheduler's ``initial_lr``, load as torch loads them), and every
+    tensor of the data files against the entries that claim them.
+
+    A checkpoint of another optimizer class is refused, naming both classes: always when
+    its groups lack the loading optimizer's hyperparameters (``SGD`` into ``AdamW``), and
+    unless ``allow_other_optimizer`` when they do not (``Adam`` into ``AdamW``); with it,
+    every saved hyperparameter is loaded as saved (Adam's ``weight_decay`` and
+    ``decoupled_weight_decay=False``), as ``load_state_dict`` would.
 
     Args:
         optimizer: the :class:`oss_plus.OSS` optimizer over the same model and param groups.
         path: the checkpoint directory.
+        allow_other_optimizer: load a checkpoint saved from another inner optimizer class
+            whose param groups fit this one's, with the saved hyperparameters.
 
     Raises:
         TypeError: ``optimizer`` is not an OSS.
         FileNotFoundError: no checkpoint at ``path``, or one of its files is missing.
-        ValueError: a truncated or corrupted file, an index of another format version,
-            pieces that do not cover their tensor, or a checkpoint of a different model
-            (count, shape or dtype mismatch); the message names the file and the mismatch.
+        NotADirectoryError: ``path`` is a file.
+        ValueError: a truncated or corrupted file, a damaged index (checksum, a missing or
+            mistyped field or hyperparameter, a stored tensor no entry claims), an index of
+            another format version, pieces that do not cover their tensor, a checkpoint of
+            a different model (count, shape or dtype mismatch) or of another optimizer
+            class; the message names the file, the entry and the fix.
 
     Example:
         >>> load_checkpoint(opt, "ckpt/step_1000")  # doctest: +SKIP
@@ -62,42 +80,28 @@ def load_checkpoint(optimizer: Any, path: str | os.PathLike[str]) -> None:
     """
     check_optimizer(optimizer, "load_checkpoint")
     with _arrival.entry(optimizer.group, "load_checkpoint()"):
-        _load(optimizer, Path(path))
+        _load(optimizer, Path(path), allow_other_optimizer)
 
 
-def _load(optimizer: Any, root: Path) -> None:
+def _load(optimizer: Any, root: Path, allow_other: bool) -> None:
     """The body of :func:`load_checkpoint`, once every rank entered it."""
     optimizer.settle()  # the last step's sync done and its status raised on every rank
 
-    def read() -> tuple[Index, dict[int, dict[str, Any]]]:
+    def read() -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
         index = read_index(root)
         check_files(root, index)
         shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
         dtypes = [p.dtype for p in optimizer.flat_params()]
         per_element = per_element_keys(optimizer.optim) | {MAIN_KEY}  # exact values too
         check_fits(index, shapes, dtypes, str(root / INDEX_FILE), per_element)
-        _warn_other_optimizer(index, optimizer)
+        groups = check_groups(index, optimizer, str(root / INDEX_FILE), allow_other)
         pieces = {i: (start, end) for i, (start, end, _) in local_pieces(optimizer).items()}
         shapes_by_index = [tuple(s) for group in shapes for s in group]
         owned = optimizer.plan.owned(optimizer.rank)
-        return index, read_states(root, index, owned, pieces, shapes_by_index)
+        return groups, read_states(root, index, owned, pieces, shapes_by_index)
 
-    index, states = _dist.run_phase(read, optimizer.group)
-    _dist.run_phase(
-        lambda: optimizer.import_local_state(states, index.param_groups), optimizer.group
-    )
-
-
-def _warn_other_optimizer(index: Index, optimizer: Any) -> None:
-    saved = (index.optimizer or "").rpartition(".")[2]
-    mine = type(optimizer.optim).__qualname__
-    if saved and saved != mine:
-        logger.warning(
-            "checkpoint %s was saved from a %s optimizer; loading it into a %s",
-            index.save_id,
-            saved,
-            mine,
-        )
+    groups, states = _dist.run_phase(read, optimizer.group)
+    _dist.run_phase(lambda: optimizer.import_local_state(states, groups), optimizer.group)
 
 
 def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:

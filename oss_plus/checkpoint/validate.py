@@ -12,16 +12,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from oss_plus.checkpoint.format import INDEX_FILE, Index, PiecesValue, TensorRef
+from oss_plus.checkpoint.format import (
+    INDEX_FILE,
+    SEALED_VERSION,
+    Index,
+    NestedValue,
+    PiecesValue,
+    TensorRef,
+)
+from oss_plus.checkpoint.seal import CHECKSUM_KEY, DAMAGED_INDEX, check_seal
 from oss_plus.checkpoint.values import dtype_string
 from oss_plus.state.index import state_shape_error
 
-__all__ = ["check_files", "check_fits", "read_index"]
+__all__ = ["check_claims", "check_files", "check_fits", "read_index"]
+
+
+#: The fix of a damaged index.
+_DAMAGED_FIX = "the index is damaged; restore it from a backup or re-save the checkpoint"
 
 
 def _reject_constant(name: str) -> Any:
@@ -29,13 +43,24 @@ def _reject_constant(name: str) -> Any:
 
 
 def read_index(path: Path) -> Index:
-    """Read and validate ``path/index.json``.
+    """Read ``path/index.json``, check its checksum, then parse and validate it.
+
+    The checksum (format version 5, :mod:`oss_plus.checkpoint.seal`) is checked on the raw
+    text before anything is parsed; an index of versions 1-4 carries none and is parsed as
+    before. An index that claims version 5 (or newer) without a checksum is refused.
 
     Raises:
         FileNotFoundError: no directory or no index at ``path``.
-        ValueError: the index is not valid JSON, not an oss_plus index, or of another version.
+        NotADirectoryError: ``path`` is a file.
+        ValueError: the index's checksum does not match, or it is not valid JSON, not an
+            oss_plus index, of another version, or misses a required field (named).
     """
     file = path / INDEX_FILE
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"{path} is a file, not a checkpoint directory: pass the directory that "
+            f"save_checkpoint() wrote (the one holding {INDEX_FILE})"
+        )
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}: the directory does not exist")
     if not file.is_file():
@@ -44,10 +69,19 @@ def read_index(path: Path) -> Index:
             "did not complete"
         )
     try:
-        data = json.loads(file.read_text("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc}): the index is damaged; re-save") from None
-    return Index.from_json(data, str(file))
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file}: not UTF-8 ({exc}): {_DAMAGED_FIX}") from None
+    crc = check_seal(text, str(file))
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc}): {_DAMAGED_FIX}") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if crc is None and isinstance(version, int) and version >= SEALED_VERSION:
+        problem = f"format version {version} without its {CHECKSUM_KEY!r}"
+        raise ValueError(DAMAGED_INDEX.format(where=file, problem=problem))
+    return replace(Index.from_json(data, str(file)), index_crc32=crc)
 
 
 def check_files(path: Path, index: Index) -> None:
@@ -70,6 +104,64 @@ def check_files(path: Path, index: Index) -> None:
                 f"{file} has {size} bytes but {INDEX_FILE} records {info['bytes']}: the file is "
                 "truncated or was replaced; restore it or re-save the checkpoint"
             )
+    check_claims(path, index)
+
+
+def check_claims(path: Path, index: Index) -> None:
+    """Check that the tensors each data file holds are exactly those the index places in it.
+
+    Reads each file's safetensors header only. A stored tensor that no entry of the index
+    claims means an entry was lost (its param would silently restart from empty state); a
+    claimed tensor that is not there means the file does not match its index.
+
+    Raises:
+        ValueError: an unreadable header, an unclaimed or a missing tensor (named).
+    """
+    claimed: dict[str, set[str]] = {name: set() for name in index.files}
+    owner: dict[tuple[str, str], str] = {}
+    for i, entries in index.state.items():
+        for key, entry in entries.items():
+            for ref in _refs(entry):
+                claimed[ref.file].add(ref.name)
+                owner[(ref.file, ref.name)] = f"state {i} key {key!r}"
+    for name, names in claimed.items():
+        file = path / name
+        stored = set(_stored_names(file))
+        extra, missing = sorted(stored - names), sorted(names - stored)
+        if missing:
+            raise ValueError(
+                f"{file}: no tensor {missing[0]!r}, which {path / INDEX_FILE} places in this "
+                f"file for {owner[(name, missing[0])]}: the file does not match its index; "
+                "restore it or re-save the checkpoint"
+            )
+        if extra:
+            raise ValueError(
+                f"{file} holds the tensor {extra[0]!r} ({len(extra)} in all), which no entry "
+                f"of {path / INDEX_FILE} claims: the index lost the state entry of that "
+                "tensor (it would load as empty state); restore the index from a backup or "
+                "re-save the checkpoint"
+            )
+
+
+def _refs(entry: Any) -> list[TensorRef]:
+    if isinstance(entry, TensorRef):
+        return [entry]
+    if isinstance(entry, PiecesValue):
+        return [ref for _, _, ref in entry.parts]
+    if isinstance(entry, NestedValue):
+        return list(entry.tensors)
+    return []
+
+
+def _stored_names(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return list(handle.keys())
+    except SafetensorError as exc:
+        raise ValueError(
+            f"{file}: not a readable safetensors file ({exc}): the file is truncated or "
+            "corrupted; restore it or re-save the checkpoint"
+        ) from None
 
 
 def check_fits(

@@ -203,11 +203,17 @@ def from_dcp_form(state: Mapping[str, Any], where: str) -> ParamState:
             try:
                 skeleton = json.loads(text)
             except (TypeError, ValueError):
-                raise ValueError(f"{at}: a malformed tensor-subclass description") from None
+                raise ValueError(
+                    f"{at}: the description under {SUBCLASS_KEY!r} is not valid JSON: the DCP "
+                    "checkpoint is damaged; restore it from a backup or re-save it"
+                ) from None
             paths = tensor_paths(skeleton)
             missing = [p for p in paths if p not in value]
             if missing:
-                raise ValueError(f"{at}: the tensor subclass's inner tensors {missing} are missing")
+                raise ValueError(
+                    f"{at}: the tensor subclass's inner tensors {missing} are missing: the DCP "
+                    "checkpoint is damaged or was saved without them; restore it or re-save it"
+                )
             value = unflatten_value(skeleton, [value[p] for p in paths], at)
         out[key] = value
     return out
