@@ -332,8 +332,8 @@ def check_same_model(
 
 
 def param_specs(param_groups: Sequence[dict[str, Any]], aligned: bool) -> list[list[ParamSpec]]:
-    """What planning needs of every param, per group: size, trainability, (device, dtype) key
-    and alignment inside a bucket (1 when ``aligned`` is False)."""
+    """What planning needs of every param, per group: size, trainability, (device, dtype) key,
+    alignment inside a bucket (1 when ``aligned`` is False) and shape (for the muon rule)."""
     return [
         [
             ParamSpec(
@@ -341,6 +341,7 @@ def param_specs(param_groups: Sequence[dict[str, Any]], aligned: bool) -> list[l
                 p.requires_grad,
                 key=f"{p.device}/{p.dtype}",
                 align=alignment(p.device, p.dtype) if aligned else 1,
+                shape=tuple(p.shape),
             )
             for p in g["params"]
         ]
