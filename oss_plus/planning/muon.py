@@ -143,13 +143,15 @@ def muon_scale_rows(
     """:func:`~oss_plus.planning.scale.scale_rows` for the two ``OSS`` of the module doc:
     bytes held and sent add up over both; a rank's state (and its ZeRO-2 gradients) is its
     share of each, summed per rank before the most loaded rank is taken."""
-    rules, sizes = [Rule(r) for r in rules], list(shard_sizes)
-    hidden = scale_rows(
-        split.hidden, topology, rules, sizes, width, backend=backend, state=MUON_STATE
-    )
+    chosen, sizes = [Rule(r) for r in rules], list(shard_sizes)
+
+    def rows_of(specs: Sequence[ParamSpec], state: OptimizerState) -> list[ScaleRow]:
+        return scale_rows(specs, topology, chosen, sizes, width, backend=backend, state=state)
+
+    hidden = rows_of(split.hidden, MUON_STATE)
     if not split.others:
         return hidden
-    others = scale_rows(split.others, topology, rules, sizes, width, backend=backend, state=adamw)
+    others = rows_of(split.others, adamw)
     rows = []
     for h, o in zip(hidden, others):
         state, grads = h.state + o.state, h.grads + o.grads
@@ -198,12 +200,14 @@ def cost_rows(
     Raises:
         ValueError: the flat rule (refused for Muon), or a size < 1.
     """
-    rules = [Rule(r) for r in rules]
-    if Rule.FLAT in rules:
+    chosen = [Rule(r) for r in rules]
+    if Rule.FLAT in chosen:
         raise ValueError(FLAT_NOT_MUON)
     rows = []
     for n in sizes:
-        for rule in rules:
+        if n < 1:
+            raise ValueError(f"shard sizes must be >= 1, got {n}")
+        for rule in chosen:
             flops = rank_flops(split.hidden, n, rule)
             state = rank_state(split, n, rule, adamw)
             rows.append(CostRow(rule.value, n, max(flops), sum(flops) / n, state))

@@ -63,6 +63,9 @@ __all__ = [
     "specs_from_shapes",
 ]
 
+#: The rules of ``oss-plus plan`` without --rules (the muon rule balances FLOPs, not bytes:
+#: it comes with --optimizer muon).
+DEFAULT_RULES = (Rule.FAIRSCALE, Rule.TORCH, Rule.FLAT)
 #: Optimizer-state bytes per element without --state-bytes or --optimizer (Adam: 2 x fp32).
 DEFAULT_STATE_BYTES = 8
 #: Raised for --optimizer together with --state-bytes, or without a topology.
@@ -187,7 +190,10 @@ def register(subparsers: Any) -> None:
         "--world-sizes", type=_positive_ints, default=[8, 64, 256, 1024], metavar="N,N,..."
     )
     parser.add_argument(
-        "--rules", type=_rules, default=list(Rule), metavar="RULE,...", help="default: all"
+        "--rules",
+        type=_rules,
+        metavar="RULE,...",
+        help="default: fairscale,torch,flat; with --optimizer muon: fairscale,torch,muon",
     )
     parser.add_argument(
         "--align",
@@ -242,6 +248,8 @@ def _source_specs(args: argparse.Namespace) -> tuple[str, list[ParamSpec]]:
 
 def _plan(args: argparse.Namespace) -> int:
     name, specs = _source_specs(args)
+    if args.rules is None:
+        args.rules = list(muon.MUON_RULES if args.optimizer == "muon" else DEFAULT_RULES)
     topology = args.nodes is not None or args.per_node is not None
     if args.optimizer is not None and (args.state_bytes is not None or not topology):
         raise ValueError(OPTIMIZER_FLAGS)
