@@ -211,6 +211,26 @@ def test_plan_json_for_muon(capsys):
     assert report["recommendation"].startswith('for Muon over 128 ranks use partition_rule="muon"')
 
 
+def tiny_lm():
+    """A factory for ``--module``: embedding, two hidden matrices, a norm, an untied head."""
+    return torch.nn.Sequential(
+        torch.nn.Embedding(100, 16),
+        torch.nn.Linear(16, 32, bias=False),
+        torch.nn.Linear(32, 16, bias=False),
+        torch.nn.LayerNorm(16),
+        torch.nn.Linear(16, 100, bias=False),
+    )
+
+
+def test_plan_leaves_a_modules_embedding_and_head_to_adamw(capsys):
+    topology = ["--nodes", "1", "--per-node", "2", "--optimizer", "muon"]
+    out = _plan(capsys, "--module", "test_muon_plan:tiny_lm", *topology)
+    assert "torch.optim.Muon on 2 hidden 2-D matrices (1,024 elements)" in out
+    assert "on the other 4 trainable params" in out and "3,232 elements" in out
+    assert main(["plan", "--module", "test_muon_plan:tiny_lm", *topology, "--rules", "flat"]) == 2
+    assert FLAT_NOT_MUON in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the rule inside OSS
 MATRICES = [(4, 24), (10, 10), (2, 40), (8, 12)]  # torch's order (by size) is not the cost's
 

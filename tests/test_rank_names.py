@@ -82,3 +82,19 @@ def test_a_failure_in_a_hybrid_replicate_group_names_the_global_rank(pool):
     head = "global rank(s) [1] (rank(s) [0] of the group [1, 3]) failed (see their error); "
     assert kind == "ValueError" and text.startswith(head + "this rank (global rank 3)"), text
     assert f"; global rank 1 raised ValueError: {BOOM.format(rank=1)}" in text, text
+
+
+def arrival_task(ctx):
+    from datetime import timedelta
+
+    from oss_plus.runtime.arrival import check_arrival
+
+    if ctx.global_rank == 3:  # global rank 2 never calls
+        return catch(check_arrival, ctx.group, "names_test()", timedelta(seconds=0.5))
+    return None
+
+
+def test_a_rank_left_alone_says_which_process_it_is(pool):
+    alone = pool.run(arrival_task, ranks=(2, 3))[1]
+    assert alone[0] == "RuntimeError", alone
+    assert "(this is global rank 3 (rank 1 of the group [2, 3]))" in alone[1], alone

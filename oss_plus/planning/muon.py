@@ -246,6 +246,8 @@ def print_report(
     """
     split = split_for_muon(specs, embeddings)
     rules = [r for r in args.rules if r is not Rule.FLAT]
+    if not rules:
+        raise ValueError(f"{FLAT_NOT_MUON}: give --rules among fairscale,torch,muon")
     ranks = sorted({topology.world, *sizes}, reverse=True)
     rows = muon_scale_rows(split, topology, rules, sizes, args.bytes, args.backend)
     costs = cost_rows(split, ranks, rules)
@@ -257,6 +259,21 @@ def print_report(
         report["newton_schulz"] = [{**dataclasses.asdict(c), "ratio": c.ratio} for c in costs]
         print(json.dumps(report, indent=2))
         return 0
+    _print_text(args, name, specs, split, len(rules) < len(args.rules), rows, costs)
+    print(advice)
+    return 0
+
+
+def _print_text(
+    args: Any,
+    name: str,
+    specs: Sequence[ParamSpec],
+    split: MuonSplit,
+    refused: bool,
+    rows: Sequence[ScaleRow],
+    costs: Sequence[CostRow],
+) -> None:
+    """The tables of :func:`print_report` (``refused``: the flat rule was asked for)."""
     print(
         f"{name}: {sum(s.numel for s in specs if s.trainable):,} trainable elements, "
         f"{args.nodes} nodes x {args.per_node} ranks, {args.bytes} B per param/grad/wire "
@@ -264,7 +281,7 @@ def print_report(
         "per rank and step (sent)"
     )
     print(_muon_line(split))
-    if len(rules) < len(args.rules):
+    if refused:
         print(FLAT_NOT_MUON)
     table = [["stage", "rule", "S", "params", "grads", "state", "intra-node", "inter-node"]]
     print_table(table + [scale_cells(r) for r in rows], left=2)
@@ -278,8 +295,6 @@ def print_report(
         flops = (f"{c.max_flops / 1e12:,.3f}", f"{c.mean_flops / 1e12:,.3f}")
         table.append([c.rule, str(c.ranks), *flops, f"{c.ratio:.3f}", f"{c.state / 1e9:,.2f}"])
     print_table(table, left=1)
-    print(advice)
-    return 0
 
 
 def _muon_line(split: MuonSplit) -> str:
