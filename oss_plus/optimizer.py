@@ -70,7 +70,9 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             param whole, or ``"flat"``: per (device, dtype) the trainable params are laid
             back to back and cut into ``world_size`` equal ranges, so every rank holds 1/N
             of the state at any N and a param may be split across ranks (elementwise
-            optimizers only, see :func:`oss_plus.elementwise` and ``docs/partition.md``).
+            optimizers only, see :func:`oss_plus.elementwise` and ``docs/partition.md``),
+            or ``"muon"``: whole params, balanced on the Newton-Schulz FLOPs of
+            ``torch.optim.Muon`` (largest first; ``oss-plus plan --optimizer muon``).
             Overrides the rule of ``shard_policy``.
         broadcast_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``;
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.

@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from oss_plus import OSS, ShardedGradScaler
 from oss_plus.amp.scaler import SCALES_WOULD_DIFFER
-from oss_plus.runtime.dist import PEER_FAILED
+from oss_plus.runtime.dist import peer_failed
 
 INF_STEPS = (1, 3)
 
@@ -119,7 +119,7 @@ def test_a_plain_grad_scaler_that_would_diverge_is_refused_on_every_rank(pool, u
         plain_scaler_step_task, unscale, world_size=2, timeout=30
     ):
         assert kind == "RuntimeError"
-        assert message == SCALES_WOULD_DIFFER.format(blind=[0])
+        assert message == SCALES_WOULD_DIFFER.format(blind="global rank(s) [0]")
         assert untouched and not left
 
 
@@ -142,7 +142,7 @@ def plain_fp16_task(ctx):
 def test_fp16_gradients_under_a_plain_scaler_raise_on_every_rank(pool):
     theirs, mine = pool.run(plain_fp16_task, world_size=2, timeout=30)
     assert mine == ("ValueError", "Attempting to unscale FP16 gradients.")
-    assert theirs[0] == "ValueError" and PEER_FAILED.format(ranks=[1]) in theirs[1]
+    assert theirs[0] == "ValueError" and peer_failed([0, 1], [1], 0) in theirs[1]
 
 
 def parity_task(ctx, clip, steps=6, plain=False):
@@ -307,7 +307,8 @@ def test_an_unscale_error_on_one_rank_raises_on_every_rank(pool):
     theirs, mine = pool.run(peer_error_task, world_size=2, timeout=30)
     assert mine == ("ValueError", "Attempting to unscale FP16 gradients.")
     assert theirs[0] == "ValueError"  # the failed rank's type, its rank and message
-    assert theirs[1] == (PEER_FAILED.format(ranks=[1]) + "; rank 1 raised ValueError: " + mine[1])
+    expected = peer_failed([0, 1], [1], 0) + "; global rank 1 raised ValueError: " + mine[1]
+    assert theirs[1] == expected
 
 
 # ------------------------------------------------------------------ the demo's --amp path

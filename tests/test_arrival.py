@@ -166,7 +166,7 @@ def test_a_call_on_some_ranks_raises_there_naming_it_and_recovers(
         assert message.startswith(
             f"{named(entry)} is collective but only {len(callers)} of the {world} ranks"
         ), message
-        assert f"within {SHORT_S:g}s (this is rank {rank})" in message
+        assert f"within {SHORT_S:g}s (this is global rank {rank})" in message
         assert SHORT_S * 0.9 <= elapsed < BOUND_S, elapsed
 
 

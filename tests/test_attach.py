@@ -257,7 +257,7 @@ def test_a_failure_with_the_sync_in_flight_raises_on_every_rank(pool):
     for rank, (stepped, settled, params, hooks) in enumerate(results):
         assert stepped == ("ok", None)
         assert settled[0] == "IndexError" and "boom" in settled[1]
-        assert rank == 1 or "rank(s) [1]" in settled[1]
+        assert rank == 1 or "global rank(s) [1]" in settled[1]
         assert torch.equal(params, results[0][2]) and hooks == 0
 
 

@@ -537,7 +537,7 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_old_checkpoi
         assert outcome[0] == "OSError", (rank, outcome)
         assert "(injected)" in outcome[1]
         if rank != fail_rank:
-            assert f"rank {fail_rank} raised OSError" in outcome[1]
+            assert f"global rank {fail_rank} raised OSError" in outcome[1]
         assert problem is None  # the previous checkpoint is intact...
         assert loaded == ("ok", None)  # ...and loadable
         assert siblings == []  # no temporary sibling left behind

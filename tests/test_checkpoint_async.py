@@ -128,7 +128,7 @@ def test_a_failure_on_one_rank_fails_every_future_and_the_next_save(pool, tmp_pa
         kind, message, still, again, untouched, recovered = result
         assert kind == "OSError" and "No space left" in message
         if rank > 0:
-            assert "rank(s) [0]" in message
+            assert "global rank(s) [0]" in message
         assert still is None and untouched is None  # the previous checkpoint, whole
         prefix = PREVIOUS_SAVE_FAILED.split("{path}")[0]
         assert again is not None and again.startswith(prefix) and "No space left" in again

@@ -117,7 +117,12 @@ def test_a_call_on_one_rank_raises_there_and_never_hangs(pool, kind, caller):
     name, message = results[caller][0]
     assert name == "RuntimeError"
     assert message == _arrival.NOT_ALL_ARRIVED.format(
-        what="state_dict()", arrived=1, world=2, seconds=1.0, rank=caller, hint=STATE_DICT_HINT
+        what="state_dict()",
+        arrived=1,
+        world=2,
+        seconds=1.0,
+        rank=f"global rank {caller}",
+        hint=STATE_DICT_HINT,
     )
     after_two, after_three = reference_state(2), reference_state(3)
     for _, together, _ in results:

@@ -204,6 +204,32 @@ def check_partition_rules(ns: dict, out: str) -> None:
     assert max(loads) - min(loads) <= 2 * 16
 
 
+def check_muon_pair(ns: dict, out: str) -> None:
+    """The Muon + AdamW pair under the muon rule steps like the two plain optimizers."""
+    model, muon = ns["model"], ns["muon"]
+    assert [len(g["params"]) for g in muon.optim.param_groups] == [1]  # one matrix per rank
+    torch.manual_seed(0)  # the page's model, built again
+    ref = torch.nn.Sequential(
+        torch.nn.Embedding(1000, 64),
+        torch.nn.Linear(64, 256, bias=False),
+        torch.nn.Linear(256, 64, bias=False),
+        torch.nn.LayerNorm(64),
+        torch.nn.Linear(64, 1000, bias=False),
+    )
+    hidden = [ref[1].weight, ref[2].weight]
+    rest = [p for p in ref.parameters() if all(p is not q for q in hidden)]
+    plain = (torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4))
+    x = ns["x"]
+    for _ in range(3):
+        for o in plain:
+            o.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), x.flatten()).backward()
+        for o in plain:
+            o.step()
+    assert torch.equal(flat_params(model), flat_params(ref))  # bit-identical, 2 ranks
+    assert same_on_every_rank(flat_params(model))
+
+
 # ------------------------------------------------------------------ README.md
 def check_readme(ns: dict, out: str) -> None:
     from oss_plus import OSS
@@ -313,7 +339,7 @@ CHECKS: dict[str, list[Check]] = {
     ],
     "overlap.md": [check_overlap_recipe, check_overlap_torch],
     "zero2.md": [check_zero2_recipe],
-    "partition.md": [check_partition_rules],
+    "partition.md": [check_partition_rules, check_muon_pair],
     "checkpoints.md": [check_checkpoint_api, check_async_save, check_dcp],
     "README.md": [check_readme],
     "performance.md": [check_auto_refresh_off],

@@ -430,5 +430,6 @@ def test_plans_that_differ_between_ranks_raise_on_every_rank(pool, rule):
     for status, message in pool.run(diverged_task, rule, world_size=2):
         assert status == "ValueError", (status, message)
         assert (
-            "the ranks hold different shard plans (ranks with equal plans: [[0], [1]])" in message
+            "the ranks hold different shard plans (global ranks with equal plans: [[0], [1]])"
+            in message
         )

@@ -25,7 +25,7 @@ from oss_plus.compat.torch import (
     hook_with_zero_step,
 )
 from oss_plus.planning.plan import PLAN_MISMATCH, ParamSpec, make_plan
-from oss_plus.runtime.dist import PEER_FAILED
+from oss_plus.runtime.dist import peer_failed
 
 
 def _oss(ctx, lr=0.01):
@@ -63,7 +63,7 @@ def test_a_shard_restored_from_another_save_raises_other_save_on_every_rank(pool
     results = pool.run(load_task, str(second))
     assert results[1] == ("ValueError", expected)
     kind, text = results[0]
-    assert kind == "ValueError" and PEER_FAILED.format(ranks=[1]) in text and expected in text
+    assert kind == "ValueError" and peer_failed([0, 1], [1], 0) in text and expected in text
 
 
 # ------------------------------------------------------------------ NO_STATE_DICT

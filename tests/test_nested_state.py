@@ -257,4 +257,4 @@ def unstorable_task(ctx):
 def test_an_unstorable_state_value_raises_on_every_rank(pool):
     messages = pool.run(unstorable_task, world_size=2)
     assert "is a Opaque" in messages[1]
-    assert "rank(s) [1]" in messages[0] and "is a Opaque" in messages[0]
+    assert "global rank(s) [1]" in messages[0] and "is a Opaque" in messages[0]

@@ -539,7 +539,7 @@ def one_rank_bad_input_task(ctx):
 def test_bad_input_on_one_rank_fails_every_rank_without_a_hang(pool):
     results = pool.run(one_rank_bad_input_task, world_size=2, timeout=30)
     assert results[0][0] == "ValueError" and "empty parameter list" in results[0][1]
-    assert results[1][0] == "ValueError" and "rank(s) [0]" in results[1][1]
+    assert results[1][0] == "ValueError" and "global rank(s) [0]" in results[1][1]
     assert results[0][1] in results[1][1]  # the peer names rank 0's own error
 
 

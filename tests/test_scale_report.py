@@ -180,7 +180,7 @@ def test_the_tables_of_docs_partition_are_the_commands_output(capsys):
 
     text = (Path(__file__).parent.parent / "docs" / "partition.md").read_text()
     blocks = [b for b in text.split("```\n$ oss-plus plan ")[1:]]
-    assert len(blocks) == 1
+    assert len(blocks) == 2  # Adam at 64 x 8; Muon + AdamW at 16 x 8
     for block in blocks:
         command, printed = block.split("```")[0].split("\n", 1)
         assert main(["plan", *command.split()]) == 0

@@ -131,7 +131,7 @@ def test_bad_input_raises_on_every_rank(pool, case):
 def test_error_detected_on_one_rank_reaches_every_rank(pool):
     results = pool.run(bad_input_task, "missing_on_one_rank", world_size=2)
     assert results[1][0] == "ValueError" and "extra.weight" in results[1][1]
-    assert results[0][0] == "ValueError" and "rank(s) [1]" in results[0][1]
+    assert results[0][0] == "ValueError" and "global rank(s) [1]" in results[0][1]
     assert results[1][1] in results[0][1]  # rank 0 names rank 1's own error
 
 

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import oss_plus.runtime.dist
 from oss_plus import OSS
+from oss_plus.runtime.dist import name_ranks
 from oss_plus.wire.sync import TRANSPORT_ENV
 
 #: Seconds a task may take: a hang fails the test fast.
@@ -45,10 +46,12 @@ class FailingSGD(torch.optim.SGD):
         raise IndexError(BOOM.format(rank=dist.get_rank()))
 
 
-def check_everyone_raised(results, failing, kind="IndexError", text=None, wire=None):
+def check_everyone_raised(results, failing, kind="IndexError", text=None, wire=None, members=None):
     """The failing rank raises its own error; every other rank one of the same type naming
-    the failing rank and its message; the replicas hold the same params (rounded to the
-    wire dtype: each owner keeps its exact values)."""
+    the failing rank (by its global rank: ``members`` are the group's, default 0, 1, ...) and
+    its message; the replicas hold the same params (rounded to the wire dtype: each owner
+    keeps its exact values)."""
+    members = list(members or range(len(results)))
     text = text or BOOM.format(rank="")
     same = torch.equal if wire is None else (lambda a, b: torch.equal(a.to(wire), b.to(wire)))
     for rank, (outcome, after, _) in enumerate(results):
@@ -56,7 +59,8 @@ def check_everyone_raised(results, failing, kind="IndexError", text=None, wire=N
         assert name == kind, (rank, outcome)
         assert text in message, (rank, message)
         if rank != failing:
-            assert f"rank(s) [{failing}]" in message, message
+            assert name_ranks(members, [failing]) + " failed (see" in message, message
+            assert f"; global rank {members[failing]} raised {kind}: " in message, message
         assert same(after, results[0][1])  # every broadcast completed
     for _, _, later in results:
         assert same(later, results[0][2])  # the group is still usable afterwards
@@ -148,7 +152,7 @@ def test_a_failing_inner_step_raises_on_every_rank(pool, world):
     size = len(world.get("ranks", ())) or world["world_size"]
     failing = size - 1
     results = pool.run(fail_task, failing, timeout=TIMEOUT, **world)
-    check_everyone_raised(results, failing)
+    check_everyone_raised(results, failing, members=world.get("ranks"))
 
 
 @pytest.mark.parametrize("then", ["step", "clip"])
@@ -175,7 +179,7 @@ def test_the_flat_rule_carries_the_failure_in_its_ranges(pool, via, wire):
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "off"])
 def test_the_adapters_raise_on_every_rank(pool, kind, world):
     results = pool.run(fail_task, 1, kind, timeout=TIMEOUT, **world)
-    check_everyone_raised(results, 1)
+    check_everyone_raised(results, 1, members=world.get("ranks"))
 
 
 @pytest.mark.parametrize(
@@ -204,7 +208,7 @@ def test_a_rank_that_owns_nothing_still_reports_its_failure(pool):
     assert [owned for _, owned, _ in results] == [1, 1, 0]
     for rank, (outcome, _, after) in enumerate(results):
         assert outcome[0] == "IndexError" and "boom" in outcome[1], outcome
-        assert rank == 2 or "rank(s) [2]" in outcome[1]
+        assert rank == 2 or "global rank(s) [2]" in outcome[1]
         assert torch.equal(after, torch.full((7,), 0.9))  # the two owners' steps arrived
 
 
@@ -306,7 +310,8 @@ def overlap_task(ctx, failing, interleaved):
 @pytest.mark.parametrize("world", [WORLDS[1], WORLDS[3], WORLDS[4]], ids=["ws2", "ws4", "off"])
 def test_the_overlapped_step_raises_on_every_rank(pool, interleaved, world):
     results = pool.run(overlap_task, 1, interleaved, timeout=TIMEOUT, **world)
+    named = name_ranks(list(world.get("ranks", range(len(results)))), [1]) + " failed"
     for rank, (outcome, after, _) in enumerate(results):
         assert outcome[0] == "IndexError" and "boom" in outcome[1], (rank, outcome)
-        assert rank == 1 or "rank(s) [1]" in outcome[1], outcome
+        assert rank == 1 or named in outcome[1], outcome
         assert torch.equal(after, results[0][1])

@@ -265,7 +265,7 @@ def test_state_that_cannot_travel_raises_on_every_rank_before_anything_moves(poo
             assert text.startswith("TypeError"), (rank, path, text)
             assert name in text and "exp_avg" in text, (rank, path, text)
             if rank == 0:
-                assert "rank(s) [1]" in text, (path, text)
+                assert "global rank(s) [1]" in text, (path, text)
     assert not os.path.exists(tmp_path / "s") and not os.path.exists(tmp_path / "c")
 
 

@@ -62,7 +62,7 @@ PIECES_NOT_UNSCALED = (
 #: inf/NaN on some ranks only: their ``update()`` would move the scales apart.
 SCALES_WOULD_DIFFER = (
     "inf/NaN gradients on some ranks of the optimizer's group: the torch.amp.GradScaler of "
-    "rank(s) {blind} saw none (each rank checks only the gradients it holds), so its update() "
+    "{blind} saw none (each rank checks only the gradients it holds), so its update() "
     "would keep the loss scale that the others back off, and the ranks would scale their "
     "losses differently from the next iteration on. The step was skipped on every rank. "
     "Use oss_plus.ShardedGradScaler, a drop-in for torch.amp.GradScaler whose found-inf flag "
@@ -294,7 +294,8 @@ def scaled_step_skips(optimizer: Any) -> bool:
             rows = _dist.agree(error, optimizer.group, value=int(seen) | int(held) << 1)
         blind = [rank for rank, row in enumerate(rows) if not row & 1]
         if any(rows) and blind:
-            raise RuntimeError(SCALES_WOULD_DIFFER.format(blind=blind))
+            named = _dist.name_ranks(_dist.group_members(optimizer.group), blind)
+            raise RuntimeError(SCALES_WOULD_DIFFER.format(blind=named))
     except Exception:
         _forget_scaler(optimizer)  # torch deletes them only after a step that returned
         raise

@@ -15,6 +15,16 @@ from oss_plus.planning.model_specs import (
     specs_from_module,
     specs_from_shapes,
 )
+from oss_plus.planning.muon import (
+    MUON_STATE,
+    CostRow,
+    MuonSplit,
+    cost_rows,
+    muon_scale_rows,
+    rank_flops,
+    split_for_muon,
+)
+from oss_plus.planning.ns_cost import ns_flops
 from oss_plus.planning.optim_state import OPTIMIZER_STATES, OptimizerState, optimizer_state
 from oss_plus.planning.partition import ParamSpec, Piece, Rule, assign_owners
 from oss_plus.planning.plan import ShardPlan, make_plan, plan_from_owners
@@ -31,10 +41,13 @@ from oss_plus.planning.scale import (
 
 __all__ = [
     "MODELS",
+    "MUON_STATE",
     "OPTIMIZER_STATES",
     "BalanceRow",
+    "CostRow",
     "Layout",
     "LocalOrder",
+    "MuonSplit",
     "OptimizerState",
     "ParamSpec",
     "Piece",
@@ -46,19 +59,24 @@ __all__ = [
     "Transport",
     "assign_owners",
     "balance_rows",
+    "cost_rows",
     "default_shard_sizes",
     "gpt2_shapes",
     "llama_shapes",
     "make_plan",
     "model_specs",
+    "muon_scale_rows",
+    "ns_flops",
     "optimizer_state",
     "parse_shapes",
     "plan_from_owners",
+    "rank_flops",
     "rank_loads",
     "rank_numels",
     "read_shapes",
     "ring_bytes",
     "scale_rows",
     "specs_from_module",
+    "split_for_muon",
     "specs_from_shapes",
 ]

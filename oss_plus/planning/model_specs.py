@@ -27,6 +27,7 @@ from oss_plus.planning.partition import ParamSpec
 __all__ = [
     "BAD_MODULE_SPEC",
     "BAD_SHAPE",
+    "EMBEDDINGS",
     "MODELS",
     "NOT_A_MODULE",
     "NO_MODULE",
@@ -34,6 +35,7 @@ __all__ = [
     "gpt2_shapes",
     "llama_shapes",
     "model_specs",
+    "module_embeddings",
     "parse_shapes",
     "read_shapes",
     "specs_from_module",
@@ -71,7 +73,7 @@ def specs_from_shapes(shapes: Iterable[Sequence[int]], trainable: bool = True) -
         >>> [s.numel for s in specs_from_shapes([(4, 3), (3,), ()])]
         [12, 3, 1]
     """
-    return [ParamSpec(math.prod(shape), trainable) for shape in shapes]
+    return [ParamSpec(math.prod(shape), trainable, shape=tuple(shape)) for shape in shapes]
 
 
 def _parse_shape(text: str, where: str = "") -> Shape:
@@ -166,6 +168,32 @@ def specs_from_module(spec: str) -> list[ParamSpec]:
         ValueError: a spec that does not name a callable, a module that cannot be
             imported, a factory that raises or returns something other than a module.
     """
+    model = _build(spec)
+    return [ParamSpec(p.numel(), p.requires_grad, shape=tuple(p.shape)) for p in model.parameters()]
+
+
+def module_embeddings(spec: str) -> tuple[int, ...]:
+    """The indices, among the params of :func:`specs_from_module`, of the weights of the
+    model's ``torch.nn.Embedding`` s and of the other 2-D params of an embedding's shape (an
+    untied output head): what Muon leaves to a second optimizer.
+
+    Raises:
+        ValueError: as :func:`specs_from_module`.
+    """
+    import torch
+
+    model = _build(spec)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    params = list(model.parameters())
+    shapes = {tuple(p.shape) for p in params if id(p) in tables}
+    return tuple(
+        i
+        for i, p in enumerate(params)
+        if id(p) in tables or (p.ndim == 2 and tuple(p.shape) in shapes)
+    )
+
+
+def _build(spec: str) -> Any:
     factory = _factory(spec)
     import torch  # only here: the rest of the report is pure
 
@@ -181,7 +209,7 @@ def specs_from_module(spec: str) -> list[ParamSpec]:
             raise ValueError(NO_MODULE.format(spec=spec, error=error)) from again
     if not isinstance(model, torch.nn.Module):
         raise ValueError(NOT_A_MODULE.format(spec=spec, kind=type(model).__name__))
-    return [ParamSpec(p.numel(), p.requires_grad) for p in model.parameters()]
+    return model
 
 
 # ------------------------------------------------------------------ built-in models
@@ -220,6 +248,14 @@ MODELS: dict[str, Callable[[], list[Shape]]] = {
     "llama2-7b": lambda: llama_shapes(4096, 32, 32, 11008, 32000),
     "llama2-70b": lambda: llama_shapes(8192, 80, 64, 28672, 32000, kv_heads=8),
     "gpt2-xl": lambda: gpt2_shapes(1600, 48, 50257, 1024),
+}
+
+#: Built-in models: name -> the indices in its shapes of the embeddings and the output head
+#: (negative: from the end), which Muon leaves to a second optimizer.
+EMBEDDINGS: dict[str, tuple[int, ...]] = {
+    "llama2-7b": (0, -1),
+    "llama2-70b": (0, -1),
+    "gpt2-xl": (0, 1),  # wte (the head is tied to it) and wpe
 }
 
 

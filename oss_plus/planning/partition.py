@@ -4,7 +4,7 @@ This module never imports ``torch.distributed`` and never looks at tensors: call
 each parameter by a :class:`ParamSpec` (its element count and whether it is trainable) and
 get back, for every parameter group, the owning rank of each parameter.
 
-Two rules are offered, one per anchor:
+The rules:
 
 * :attr:`Rule.FAIRSCALE` (the default of :class:`oss_plus.OSS`): parameters are taken in the
   order they were given; each goes to the first rank with the smallest running total; a frozen
@@ -17,17 +17,27 @@ Two rules are offered, one per anchor:
   offset) in one flat buffer that is cut into ``world_size`` equal, aligned ranges; rank ``r``
   owns the elements of range ``r``, so a parameter may be split into :class:`Piece` s owned by
   several ranks. Frozen parameters stay out of the buffer and are kept whole, round robin.
+* :attr:`Rule.MUON` (torchtitan's placement of Muon's owners): the torch rule on the compute
+  of a Muon step instead of the element count. Within each group, trainable 2-D parameters
+  weigh the FLOPs of their Newton-Schulz iterations
+  (:func:`~oss_plus.planning.ns_cost.ns_flops`), other trainable ones their element count,
+  frozen ones 1; they are visited heaviest first (stable) and each goes to the first rank
+  with the smallest running total: the longest-processing-time greedy. It needs the params'
+  shapes (:attr:`ParamSpec.shape`); a spec without one weighs its element count.
 
-Both rules can *extend* an existing assignment (``fixed``): parameters that already have an
-owner keep it and only count towards the totals. This is how a new parameter group is placed
-without moving parameters that already carry optimizer state.
+The whole-tensor rules can *extend* an existing assignment (``fixed``): parameters that
+already have an owner keep it and only count towards the totals. This is how a new parameter
+group is placed without moving parameters that already carry optimizer state.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from oss_plus.planning.ns_cost import ns_flops
 
 __all__ = [
     "ParamSpec",
@@ -55,18 +65,28 @@ class ParamSpec:
         align: under :attr:`Rule.FLAT`, the element alignment of its offset in the buffer
             and of the range boundaries (``OSS``: the allocator's, 64 bytes on CPU); the same
             for every parameter of a key.
+        shape: the parameter's shape, or None when unknown; only :attr:`Rule.MUON` reads it.
     """
 
     numel: int
     trainable: bool = True
     key: str = ""
     align: int = 1
+    shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.numel < 0:
             raise ValueError(f"ParamSpec.numel must be >= 0, got {self.numel}")
         if self.align < 1:
             raise ValueError(f"ParamSpec.align must be >= 1, got {self.align}")
+        if self.shape is not None:
+            shape = tuple(self.shape)
+            if any(d < 0 for d in shape) or math.prod(shape) != self.numel:
+                raise ValueError(
+                    f"ParamSpec.shape {shape} does not hold numel={self.numel} elements: "
+                    "give the parameter's own shape, or none"
+                )
+            object.__setattr__(self, "shape", shape)
 
 
 class Rule(str, enum.Enum):
@@ -75,9 +95,17 @@ class Rule(str, enum.Enum):
     FAIRSCALE = "fairscale"
     TORCH = "torch"
     FLAT = "flat"
+    MUON = "muon"
 
     def weight(self, spec: ParamSpec) -> int:
-        """Return how much ``spec`` counts towards its owner's total under this rule."""
+        """Return how much ``spec`` counts towards its owner's total under this rule.
+
+        Example:
+            >>> Rule.MUON.weight(ParamSpec(6, shape=(2, 3))), Rule.TORCH.weight(ParamSpec(6))
+            (320, 6)
+        """
+        if self is Rule.MUON and spec.trainable and spec.shape is not None:
+            return ns_flops(spec.shape) if len(spec.shape) == 2 else spec.numel
         if spec.trainable or self is Rule.TORCH:
             return spec.numel
         return 1
@@ -87,6 +115,9 @@ class Rule(str, enum.Enum):
         indices = list(range(len(group)))
         if self is Rule.TORCH:
             indices.sort(key=lambda i: group[i].numel, reverse=True)  # stable
+        elif self is Rule.MUON:
+            weights = [self.weight(spec) for spec in group]
+            indices.sort(key=lambda i: weights[i], reverse=True)  # stable
         return indices
 
 

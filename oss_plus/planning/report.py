@@ -9,6 +9,10 @@ at that topology instead (:mod:`oss_plus.planning.scale`). No process group is i
 
     oss-plus plan --model llama2-7b --world-sizes 8,64,256,1024 --rules fairscale,torch,flat
     oss-plus plan --model llama2-70b --nodes 64 --per-node 8
+    oss-plus plan --model llama2-7b --nodes 16 --per-node 8 --optimizer muon
+
+With ``--optimizer muon`` it also prints each rule's Newton-Schulz FLOPs per step of the most
+loaded rank against the mean, and which rule to use (:mod:`oss_plus.planning.muon`).
 
 Example:
     >>> rows = balance_rows(parse_shapes("10x10,10,5"), [2], ["torch", "flat"])
@@ -21,16 +25,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from oss_plus.planning import muon
 from oss_plus.planning.model_specs import (
+    EMBEDDINGS,
     MODELS,
     gpt2_shapes,
     llama_shapes,
     model_specs,
+    module_embeddings,
     parse_shapes,
     read_shapes,
     specs_from_module,
@@ -38,7 +44,8 @@ from oss_plus.planning.model_specs import (
 )
 from oss_plus.planning.optim_state import OPTIMIZER_STATES, OptimizerState
 from oss_plus.planning.partition import ParamSpec, Rule
-from oss_plus.planning.scale import FLAT_ALIGN, ScaleRow, Topology, rank_loads, scale_rows
+from oss_plus.planning.scale import FLAT_ALIGN, Topology, rank_loads, scale_rows
+from oss_plus.planning.tables import print_table, scale_cells
 
 __all__ = [
     "FLAT_ALIGN",
@@ -56,6 +63,9 @@ __all__ = [
     "specs_from_shapes",
 ]
 
+#: The rules of ``oss-plus plan`` without --rules (the muon rule balances FLOPs, not bytes:
+#: it comes with --optimizer muon).
+DEFAULT_RULES = (Rule.FAIRSCALE, Rule.TORCH, Rule.FLAT)
 #: Optimizer-state bytes per element without --state-bytes or --optimizer (Adam: 2 x fp32).
 DEFAULT_STATE_BYTES = 8
 #: Raised for --optimizer together with --state-bytes, or without a topology.
@@ -180,7 +190,10 @@ def register(subparsers: Any) -> None:
         "--world-sizes", type=_positive_ints, default=[8, 64, 256, 1024], metavar="N,N,..."
     )
     parser.add_argument(
-        "--rules", type=_rules, default=list(Rule), metavar="RULE,...", help="default: all"
+        "--rules",
+        type=_rules,
+        metavar="RULE,...",
+        help="default: fairscale,torch,flat; with --optimizer muon: fairscale,torch,muon",
     )
     parser.add_argument(
         "--align",
@@ -211,9 +224,11 @@ def register(subparsers: Any) -> None:
     )
     scale.add_argument(
         "--optimizer",
-        choices=list(OPTIMIZER_STATES),
+        choices=[*OPTIMIZER_STATES, "muon"],
         help="count each rank's state as this optimizer lays it out, tensor by tensor "
-        "(low-bit codes, block scales, fp32 for small tensors) instead of --state-bytes",
+        "(low-bit codes, block scales, fp32 for small tensors) instead of --state-bytes; "
+        "muon: torch.optim.Muon on the hidden matrices and AdamW on the rest, with the "
+        "Newton-Schulz FLOPs of every rule",
     )
     scale.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.set_defaults(func=_plan)
@@ -233,6 +248,8 @@ def _source_specs(args: argparse.Namespace) -> tuple[str, list[ParamSpec]]:
 
 def _plan(args: argparse.Namespace) -> int:
     name, specs = _source_specs(args)
+    if args.rules is None:
+        args.rules = list(muon.MUON_RULES if args.optimizer == "muon" else DEFAULT_RULES)
     topology = args.nodes is not None or args.per_node is not None
     if args.optimizer is not None and (args.state_bytes is not None or not topology):
         raise ValueError(OPTIMIZER_FLAGS)
@@ -251,16 +268,8 @@ def _plan(args: argparse.Namespace) -> int:
     for r in rows:
         cells = [f"{r.ideal:,.0f}", f"{r.max_load:,}", f"{r.ratio:.3f}", str(r.empty)]
         table.append([r.rule, str(r.world_size), *cells])
-    _print_table(table, left=1)
+    print_table(table, left=1)
     return 0
-
-
-def _print_table(table: list[list[str]], left: int) -> None:
-    """Print ``table`` with its first ``left`` columns left-aligned, the others right."""
-    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
-    for row in table:
-        line = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        print("  ".join(line), file=sys.stdout)
 
 
 def default_shard_sizes(topology: Topology) -> list[int]:
@@ -283,6 +292,8 @@ def _scale(args: argparse.Namespace, name: str, specs: list[ParamSpec]) -> int:
         )
     topology = Topology(args.nodes, args.per_node)
     sizes = args.shard_sizes or default_shard_sizes(topology)
+    if args.optimizer == "muon":
+        return muon.print_report(args, name, specs, topology, sizes, _embeddings(args))
     state = OPTIMIZER_STATES[args.optimizer] if args.optimizer else None
     width = DEFAULT_STATE_BYTES if args.state_bytes is None else args.state_bytes
     rules = list(args.rules)
@@ -309,8 +320,8 @@ def _scale(args: argparse.Namespace, name: str, specs: list[ParamSpec]) -> int:
     if refused:
         print(FLAT_REFUSED.format(name=args.optimizer))
     table = [["stage", "rule", "S", "params", "grads", "state", "intra-node", "inter-node"]]
-    table += [_scale_cells(r) for r in rows]
-    _print_table(table, left=2)
+    table += [scale_cells(r) for r in rows]
+    print_table(table, left=2)
     return 0
 
 
@@ -333,6 +344,9 @@ def _state_line(state: OptimizerState, specs: Sequence[ParamSpec]) -> str:
     )
 
 
-def _scale_cells(r: ScaleRow) -> list[str]:
-    sizes = (r.params, r.grads, r.state, r.intra, r.inter)
-    return [r.stage, r.rule, str(r.shard), *(f"{b / 1e9:,.2f}" for b in sizes)]
+def _embeddings(args: argparse.Namespace) -> tuple[int, ...]:
+    """What Muon leaves to AdamW: a built-in model's embeddings and head, a module's
+    ``nn.Embedding`` s and params of their shape; none for --shapes."""
+    if args.model is not None:
+        return EMBEDDINGS.get(args.model, ())
+    return module_embeddings(args.module) if args.module is not None else ()

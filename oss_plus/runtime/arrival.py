@@ -50,6 +50,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oss_plus.runtime.dist import name_rank
+
 __all__ = [
     "ARRIVAL_TIMEOUT",
     "ARRIVAL_TIMEOUT_ENV",
@@ -75,7 +77,7 @@ BAD_ARRIVAL_TIMEOUT = ARRIVAL_TIMEOUT_ENV + " must be a positive number of secon
 #: Raised on every rank that entered the call when some ranks of the group did not.
 NOT_ALL_ARRIVED = (
     "{what} is collective but only {arrived} of the {world} ranks of the process group called "
-    "it within {seconds:g}s (this is rank {rank}): call it on every rank of the group{hint}. A "
+    "it within {seconds:g}s (this is {rank}): call it on every rank of the group{hint}. A "
     "rank that comes later on purpose (it evaluated alone first) needs a longer "
     + ARRIVAL_TIMEOUT_ENV
 )
@@ -192,7 +194,7 @@ def check_arrival(
                 arrived=arrived,
                 world=world,
                 seconds=timeout.total_seconds(),
-                rank=dist.get_rank(group),
+                rank=name_rank(_ranks(group), dist.get_rank(group)),
                 hint=hint,
             )
         )

@@ -123,11 +123,63 @@ def released(group: Any, *tensors: torch.Tensor) -> Iterator[None]:
     await_release(tensors, counts, group)
 
 
-#: Raised on the ranks that did not fail themselves when a peer failed.
+#: Raised on the ranks that did not fail themselves when a peer failed: ``ranks`` names the
+#: failed ranks (:func:`name_ranks`), ``me`` this rank's global rank.
 PEER_FAILED = (
-    "rank(s) {ranks} of the process group failed (see their error); this rank stopped too "
-    "so that no rank waits forever in a collective"
+    "{ranks} failed (see their error); this rank (global rank {me}) stopped too so that no "
+    "rank waits forever in a collective"
 )
+
+
+def group_members(group: Any) -> list[int]:
+    """Return the global ranks of ``group``'s members, in group-rank order."""
+    return list(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _group_text(members: Sequence[int]) -> str:
+    """``[1, 3]``, or for a long group its first, second and last global ranks and its size."""
+    if len(members) <= 8:
+        return str(list(members))
+    return f"[{members[0]}, {members[1]}, ..., {members[-1]}] ({len(members)} ranks)"
+
+
+def name_ranks(members: Sequence[int], ranks: Sequence[int]) -> str:
+    """Name the group ranks ``ranks`` of the group of global ranks ``members`` by their global
+    ranks, and by their group ranks too when the two numberings differ (PURE).
+
+    Example:
+        >>> name_ranks([0, 1, 2, 3], [1])
+        'global rank(s) [1]'
+        >>> name_ranks([1, 3], [0])
+        'global rank(s) [1] (rank(s) [0] of the group [1, 3])'
+    """
+    named = f"global rank(s) {[members[r] for r in ranks]}"
+    if list(members) == list(range(len(members))):
+        return named
+    return f"{named} (rank(s) {list(ranks)} of the group {_group_text(members)})"
+
+
+def name_rank(members: Sequence[int], rank: int) -> str:
+    """:func:`name_ranks` for one rank (PURE).
+
+    Example:
+        >>> name_rank([2, 3], 1)
+        'global rank 3 (rank 1 of the group [2, 3])'
+    """
+    if list(members) == list(range(len(members))):
+        return f"global rank {members[rank]}"
+    return f"global rank {members[rank]} (rank {rank} of the group {_group_text(members)})"
+
+
+def peer_failed(members: Sequence[int], failed: Sequence[int], me: int) -> str:
+    """What a rank that did not fail raises: :data:`PEER_FAILED` for the group ranks
+    ``failed`` of the group of global ranks ``members``, seen from group rank ``me`` (PURE).
+
+    Example:
+        >>> peer_failed([2, 3], [1], 0).split(" (see")[0]
+        'global rank(s) [3] (rank(s) [1] of the group [2, 3]) failed'
+    """
+    return PEER_FAILED.format(ranks=name_ranks(members, failed), me=members[me])
 
 
 #: Exception types re-raised with the same type on the ranks that did not fail themselves.
@@ -236,7 +288,8 @@ def agree(
     a rank failed, ``cleanup`` runs on every rank, the error texts travel (as bytes, never
     pickled), the failed rank re-raises its own error and every other rank raises an error
     of the same type (for the common types; else RuntimeError) naming the failed rank(s) and
-    the first one's message.
+    the first one's message (:func:`peer_failed`: global ranks, and the ranks within
+    ``group`` when ``group`` is not numbered like the world, e.g. a replicate group).
 
     Args:
         error: what this rank raised in the phase, or None.
@@ -269,7 +322,9 @@ def agree(
         raise error
     kind, _, message = messages[failed[0]].decode("utf-8", "replace").partition(": ")
     cls = _SHARED_ERRORS.get(kind, RuntimeError)
-    raise cls(f"{PEER_FAILED.format(ranks=failed)}; rank {failed[0]} raised {kind}: {message}")
+    members = group_members(group)
+    head = peer_failed(members, failed, dist.get_rank(group))
+    raise cls(f"{head}; global rank {members[failed[0]]} raised {kind}: {message}")
 
 
 def run_phase(fn: Callable[[], T], group: Any, *, cleanup: Callable[[], None] | None = None) -> T:

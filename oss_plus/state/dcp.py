@@ -86,7 +86,7 @@ ARRIVAL_TIMEOUT: timedelta | None = None
 DCP_NOT_ALL_ARRIVED = (
     "torch.distributed.checkpoint.state_dict's get/set functions are collective for "
     "oss_plus.OSS, but not every one of the {world} ranks of the optimizer's group called "
-    "them within {seconds:g}s (this is rank {rank}): call get_state_dict / set_state_dict "
+    "them within {seconds:g}s (this is {rank}): call get_state_dict / set_state_dict "
     "(and their optimizer variants) on every rank"
 )
 
@@ -153,7 +153,7 @@ def agreed_state(optimizer: Any) -> LocalState:
             DCP_NOT_ALL_ARRIVED.format(
                 world=dist.get_world_size(group),
                 seconds=timeout.total_seconds(),
-                rank=dist.get_rank(group),
+                rank=_dist.name_rank(_dist.group_members(group), dist.get_rank(group)),
             )
         ) from exc
     optimizer.settle()

@@ -22,8 +22,8 @@ from oss_plus.wire.layout import alignment
 
 #: Raised on every rank by a repartition when the ranks hold different shard plans.
 PLANS_DIFFER = (
-    "the ranks hold different shard plans (ranks with equal plans: {ranks}), so their state "
-    "and buckets would not match: every rank must repartition with the same plan. A "
+    "the ranks hold different shard plans (global ranks with equal plans: {ranks}), so their "
+    "state and buckets would not match: every rank must repartition with the same plan. A "
     "requires_grad change made on some ranks only gives different plans: freeze or unfreeze "
     "the same params on every rank"
 )
@@ -337,18 +337,19 @@ def check_same_model(
     descriptions = [
         json.loads(b) for b in _dist.all_gather_bytes(json.dumps(description).encode(), group)
     ]
-    rank = dist.get_rank(group)
+    rank, members = dist.get_rank(group), _dist.group_members(group)
     other = next(r for r, d in enumerate(descriptions) if d != description)
+    here, there = _dist.name_rank(members, rank), _dist.name_rank(members, other)
     raise ValueError(
-        f"the ranks of the process group hold different models: rank {rank} vs rank "
-        f"{other}: {first_difference(description, descriptions[other])}. Build "
-        "the same model on every rank before creating the optimizer"
+        f"the ranks of the process group hold different models: {here} vs {there}: "
+        f"{first_difference(description, descriptions[other])}. Build the same model on "
+        "every rank before creating the optimizer"
     )
 
 
 def param_specs(param_groups: Sequence[dict[str, Any]], aligned: bool) -> list[list[ParamSpec]]:
-    """What planning needs of every param, per group: size, trainability, (device, dtype) key
-    and alignment inside a bucket (1 when ``aligned`` is False)."""
+    """What planning needs of every param, per group: size, trainability, (device, dtype) key,
+    alignment inside a bucket (1 when ``aligned`` is False) and shape (for the muon rule)."""
     return [
         [
             ParamSpec(
@@ -356,6 +357,7 @@ def param_specs(param_groups: Sequence[dict[str, Any]], aligned: bool) -> list[l
                 p.requires_grad,
                 key=f"{p.device}/{p.dtype}",
                 align=alignment(p.device, p.dtype) if aligned else 1,
+                shape=tuple(p.shape),
             )
             for p in g["params"]
         ]
@@ -382,4 +384,6 @@ def agree_plan(plan: ShardPlan, error: Exception | None, group: Any) -> None:
         groups: dict[int, list[int]] = {}
         for rank, value in enumerate(prints):
             groups.setdefault(value, []).append(rank)
-        raise ValueError(PLANS_DIFFER.format(ranks=list(groups.values())))
+        members = _dist.group_members(group)
+        named = [[members[r] for r in same] for same in groups.values()]
+        raise ValueError(PLANS_DIFFER.format(ranks=named))

@@ -53,9 +53,9 @@ OK, FAILED, REPLAN = 0, 1, 2
 
 #: Raised on every rank when ``requires_grad`` changed on some ranks only before a step.
 TRAINABILITY_DIFFERS = (
-    "requires_grad changed on rank(s) {changed} but not on rank(s) {others} before the same "
+    "requires_grad changed on {changed} but not on {others} before the same "
     "step(), so the ranks would hold different shard plans: freeze or unfreeze the same "
-    "params on every rank, then step again. That step was not applied on rank(s) {changed} "
+    "params on every rank, then step again. That step was not applied on {changed} "
     "and was applied on the others (nothing is undone: reload a checkpoint to go on exactly)"
 )
 
@@ -236,16 +236,22 @@ class StepStatus:
         if FAILED in codes:
             _dist.agree(error, self.group)
         if REPLAN in codes:
-            raise ValueError(replan_message(codes))
+            raise ValueError(replan_message(codes, _dist.group_members(self.group)))
 
 
-def replan_message(codes: Sequence[int]) -> str:
-    """:data:`TRAINABILITY_DIFFERS` for the ranks' codes (PURE).
+def replan_message(codes: Sequence[int], members: Sequence[int] | None = None) -> str:
+    """:data:`TRAINABILITY_DIFFERS` for the ranks' codes (PURE); ``members``: the global
+    ranks of the group (default: numbered like the world).
 
     Example:
         >>> replan_message([2, 0, 2]).split(" but")[0]
-        'requires_grad changed on rank(s) [0, 2]'
+        'requires_grad changed on global rank(s) [0, 2]'
+        >>> replan_message([0, 2], [2, 3]).split(" but")[0]
+        'requires_grad changed on global rank(s) [3] (rank(s) [1] of the group [2, 3])'
     """
+    members = list(range(len(codes))) if members is None else members
     changed = [r for r, c in enumerate(codes) if c == REPLAN]
     others = [r for r, c in enumerate(codes) if c != REPLAN]
-    return TRAINABILITY_DIFFERS.format(changed=changed, others=others)
+    return TRAINABILITY_DIFFERS.format(
+        changed=_dist.name_ranks(members, changed), others=_dist.name_ranks(members, others)
+    )
