@@ -10,6 +10,7 @@ packages' own classes (no class name is listed anywhere in oss_plus).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from unittest import mock
@@ -238,19 +239,22 @@ def test_oss_and_both_adapters_refuse_on_every_rank(pool, name, ranks):
     assert len({str(r[0]) for r in results}) == 1  # the same error on every rank
 
 
-def allowed_task(ctx, flag):
+#: The packages' own reduction over the ranks (``fsdp_in_use=True``): module, class.
+FLAGGED = {"prodigyopt": ("prodigyopt", "Prodigy"), "dadaptation": ("dadaptation", "DAdaptAdam")}
+
+
+def allowed_task(ctx, name, flag):
     """``allow_cross_param``: OSS shards the optimizer; with ``fsdp_in_use`` the package
     all-reduces its sums itself. Returns the gap to the unsharded run and this rank's params."""
-    import prodigyopt
-
+    cls = getattr(importlib.import_module(FLAGGED[name][0]), FLAGGED[name][1])
     kwargs = {"lr": 1.0, "fsdp_in_use": flag}
     ref_model, model = _model(), _model()
-    ref = prodigyopt.Prodigy(ref_model.parameters(), **{**kwargs, "fsdp_in_use": False})
-    # prodigyopt reduces on a tensor it puts on the GPU (torch.zeros(2).cuda()): on this CPU
-    # machine it stays on the CPU, where gloo reduces it
+    ref = cls(ref_model.parameters(), **{**kwargs, "fsdp_in_use": False})
+    # the packages reduce on a tensor they put on the GPU (torch.zeros(2).cuda()): on this
+    # CPU machine it stays on the CPU, where gloo reduces it
     with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
-        opt = OSS(model.parameters(), optim=prodigyopt.Prodigy, group=ctx.group,
-                  allow_cross_param=True, **kwargs)  # fmt: skip
+        opt = OSS(model.parameters(), optim=cls, group=ctx.group, allow_cross_param=True,
+                  **kwargs)  # fmt: skip
         for step in range(8):
             x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
             for m, o in ((ref_model, ref), (model, opt)):
@@ -262,10 +266,10 @@ def allowed_task(ctx, flag):
     return (flat - ref_flat).abs().max().item(), flat, float(opt.param_groups[0]["d"])
 
 
-def test_prodigy_s_own_reduction_keeps_the_unsharded_run_within_summation_tolerance(pool):
-    pytest.importorskip("prodigyopt")
-    reduced = pool.run(allowed_task, True, world_size=4, timeout=60)
-    drifted = pool.run(allowed_task, False, world_size=4, timeout=60)
+@pytest.mark.parametrize("name", _cases({k: (k,) for k in FLAGGED}))
+def test_the_packages_own_reduction_keeps_the_unsharded_run_within_summation_tolerance(pool, name):
+    reduced = pool.run(allowed_task, name, True, world_size=4, timeout=60)
+    drifted = pool.run(allowed_task, name, False, world_size=4, timeout=60)
     for results in (reduced, drifted):  # every replica identical, bit for bit
         assert all(torch.equal(r[1], results[0][1]) for r in results)
     assert len({r[2] for r in reduced}) == 1  # and the same d (each rank's own without the flag)
