@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
@@ -35,6 +36,14 @@ from typing import Any
 
 import torch
 
+from oss_plus.state.layout import (
+    VIEW_TAG,
+    build_view,
+    own_storage,
+    plan_spans,
+    storage_key,
+    view_node,
+)
 from oss_plus.state.subclass import is_plain, rebuild, split
 
 __all__ = [
@@ -43,8 +52,10 @@ __all__ = [
     "decode",
     "encode",
     "flatten_state",
+    "flatten_param_state",
     "flatten_value",
     "holds_subclass",
+    "tags_in",
     "map_tensors",
     "tensor_paths",
     "unflatten_state",
@@ -57,14 +68,26 @@ TENSOR_TAG = "tensor"
 #: "tensors": [[attr, value], ...], "context": ..., "size": [...], "stride": [...]}}``.
 SUBCLASS_TAG = "subclass"
 
+#: Spans by storage (:func:`oss_plus.state.layout.plan_spans`).
+Spans = dict[Any, tuple[int, int]]
+
 #: Rebuilds a subclass node: ``(class name, inner by attr, context, size, stride, where)``.
 OnSubclass = Callable[[str, dict[str, Any], Any, list[int], list[int], str], Any]
 
 #: Raised for a value that has no JSON form.
 NOT_STORABLE = (
     "optimizer state {where} is a {kind} ({value!r}); oss_plus moves and saves tensors, None, "
-    "bool, int, float, str and lists/tuples/dicts of them: convert it to one of those"
+    "bool, int, float, str, torch.dtype, torch.Size, lists/tuples/dicts of them and "
+    "sets/frozensets of plain values: convert it to one of those"
 )
+#: Raised for a dict key or set item that holds a tensor or an unhashable container.
+NOT_A_KEY = (
+    "optimizer state {where} is a {kind} ({value!r}); oss_plus moves and saves dict keys and "
+    "set items that are None, bool, int, float, str, torch.dtype or tuples/frozensets of "
+    "them: use one of those"
+)
+#: Tags of sets and frozensets: ``{"set": [item, ...]}`` (items in a fixed order).
+SET_TAGS = ("set", "frozenset")
 
 
 def flatten_value(value: Any, where: str = "value") -> tuple[Any, list[torch.Tensor]]:
@@ -78,15 +101,54 @@ def flatten_value(value: Any, where: str = "value") -> tuple[Any, list[torch.Ten
             list/tuple/dict; the message names where (``where`` is the prefix).
     """
     tensors: list[torch.Tensor] = []
-    return encode(value, where, _placeholder(tensors)), tensors
+    return encode(value, where, _placeholder(tensors, _spans_of(value, where))), tensors
 
 
-def _placeholder(tensors: list[torch.Tensor]) -> Callable[[torch.Tensor, str], Any]:
-    """An ``on_tensor`` for :func:`encode`: append the tensor, return its placeholder."""
+def flatten_param_state(state: Mapping[Any, Any], where: str) -> tuple[Any, list[torch.Tensor]]:
+    """:func:`flatten_value` of one param's state dict, its keys' values flattened one by
+    one (tensor numbers run over all of them): storage sharing is kept within the value of
+    a key, as every path keeps it (:mod:`oss_plus.state.layout`).
+
+    Example:
+        >>> flatten_param_state({"m": torch.ones(1), 0: {1}}, "state[0]")[0]
+        {'dict': [['m', {'tensor': 0}], [0, {'set': [1]}]]}
+    """
+    tensors: list[torch.Tensor] = []
+    pairs = []
+    for k, v in state.items():
+        at = f"{where}[{k!r}]"
+        key = encode(k, f"{where} key", _tensor_key)
+        pairs.append([key, encode(v, at, _placeholder(tensors, _spans_of(v, at)))])
+    return {"dict": pairs}, tensors
+
+
+def _tensor_key(tensor: torch.Tensor, where: str) -> Any:
+    raise TypeError(NOT_A_KEY.format(where=where, kind="Tensor", value=tensor))
+
+
+def _spans_of(value: Any, where: str) -> Spans:
+    """The spans the tensors of ``value`` need (:func:`oss_plus.state.layout.plan_spans`)."""
+    seen: list[torch.Tensor] = []
+    encode(value, where, lambda t, _: seen.append(t))
+    return plan_spans(seen)
+
+
+def _placeholder(tensors: list[torch.Tensor], spans: Spans) -> Callable[[torch.Tensor, str], Any]:
+    """An ``on_tensor`` for :func:`encode`: append the tensor, return its placeholder; a
+    tensor of ``spans`` becomes a view node over its span (appended once per storage)."""
+    numbers: dict[Any, int] = {}
 
     def placeholder(tensor: torch.Tensor, _: str) -> Any:
-        tensors.append(tensor)
-        return {TENSOR_TAG: len(tensors) - 1}
+        view = view_node(tensor, spans)
+        if view is None:
+            tensors.append(tensor)
+            return {TENSOR_TAG: len(tensors) - 1}
+        body, span = view
+        key = storage_key(tensor) if span.numel() else ("empty", len(tensors))
+        if key not in numbers:
+            numbers[key] = len(tensors)
+            tensors.append(span)
+        return {VIEW_TAG: {"of": {TENSOR_TAG: numbers[key]}, **body}}
 
     return placeholder
 
@@ -112,6 +174,17 @@ def encode(
             if is_plain(value):
                 return on_tensor(value, where)
             return _encode_subclass(value, where, walk)
+        return plain(value, where, walk)
+
+    def key(value: Any, where: str) -> Any:
+        """A dict key or set item: hashable plain values only, no tensor inside."""
+        if isinstance(value, (torch.Tensor, list, dict, set)):
+            kind = type(value).__name__
+            raise TypeError(NOT_A_KEY.format(where=where, kind=kind, value=value))
+        return plain(value, where, key)
+
+    def plain(value: Any, where: str, inner: Callable[[Any, str], Any]) -> Any:
+        """Every value but a tensor; containers hold what ``inner`` encodes."""
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, torch.dtype):
@@ -121,24 +194,29 @@ def encode(
         if isinstance(value, float):
             return {"float": value if math.isfinite(value) else repr(value)}
         if isinstance(value, (list, tuple)):
-            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            items = [inner(v, f"{where}[{i}]") for i, v in enumerate(value)]
             return items if isinstance(value, list) else {"tuple": items}
         if isinstance(value, dict):
-            pairs = []
-            for k, v in value.items():
-                if isinstance(k, (torch.Tensor, list, dict)):
-                    raise TypeError(not_storable.format(where=f"{where} key", kind="key", value=k))
-                pairs.append([walk(k, f"{where} key"), walk(v, f"{where}[{k!r}]")])
+            pairs = [[key(k, f"{where} key"), walk(v, f"{where}[{k!r}]")] for k, v in value.items()]
             return {"dict": pairs}
+        if isinstance(value, (set, frozenset)):
+            items = sorted((key(v, f"{where} item") for v in value), key=_order)
+            return {"frozenset" if isinstance(value, frozenset) else "set": items}
         try:
             return operator.index(value)  # int and integer-like scalars (numpy ints)
         except TypeError:
             pass
         if isinstance(value, numbers.Real):  # float-like scalars (numpy floats)
-            return walk(float(value), where)
+            return inner(float(value), where)
         raise TypeError(not_storable.format(where=where, kind=type(value).__name__, value=value))
 
     return walk(value, where)
+
+
+def _order(item: Any) -> str:
+    """The order of set items in a skeleton: by their JSON text (the same on every rank and
+    in every run, whatever the hash seed)."""
+    return json.dumps(item, sort_keys=True)
 
 
 def _encode_subclass(value: torch.Tensor, where: str, walk: Callable[[Any, str], Any]) -> Any:
@@ -177,6 +255,8 @@ def unflatten_value(
             names where.
     """
 
+    spans: dict[int, Any] = {}
+
     def tensor_at(body: Any, where: str) -> Any:
         if not isinstance(body, int) or isinstance(body, bool):
             raise ValueError(f"{where}: malformed tensor placeholder {body!r}")
@@ -184,7 +264,19 @@ def unflatten_value(
             raise ValueError(f"{where}: tensor {body} is missing (got {len(tensors)} tensors)")
         return tensors[body]
 
-    return decode(skeleton, where, TENSOR_TAG, tensor_at, on_subclass)
+    def view_at(body: dict[str, Any], where: str) -> Any:
+        of = body["of"]
+        if not (isinstance(of, dict) and set(of) == {TENSOR_TAG}):
+            raise ValueError(f"{where}: a view's storage must be a tensor placeholder, got {of!r}")
+        n = of[TENSOR_TAG]
+        span = tensor_at(n, where)
+        if not isinstance(span, torch.Tensor):  # a reference (an index's), not a tensor yet
+            return span
+        if n not in spans:  # the views of one span share one storage
+            spans[n] = own_storage(span)
+        return build_view(spans[n], body["size"], body["stride"], body["offset"], where)
+
+    return decode(skeleton, where, TENSOR_TAG, tensor_at, on_subclass, view_at)
 
 
 def decode(
@@ -193,23 +285,26 @@ def decode(
     tensor_tag: str,
     on_tensor: Callable[[Any, str], Any],
     on_subclass: OnSubclass | None = None,
+    on_view: Callable[[dict[str, Any], str], Any] | None = None,
 ) -> Any:
     """Decode what :func:`encode` produced; ``{tensor_tag: body}`` becomes ``on_tensor(body)``,
-    a subclass node ``on_subclass(...)`` (default :func:`oss_plus.state.subclass.rebuild`).
+    a subclass node ``on_subclass(...)`` (default :func:`oss_plus.state.subclass.rebuild`),
+    a view node ``on_view(body)`` (checked for its structure first; without ``on_view`` a
+    view node is malformed data).
 
     Raises:
         ValueError: ``data`` is not valid tagged JSON data; the message names ``where``.
     """
 
     def again(value: Any, at: str) -> Any:
-        return decode(value, at, tensor_tag, on_tensor, on_subclass)
+        return decode(value, at, tensor_tag, on_tensor, on_subclass, on_view)
 
     if data is None or isinstance(data, (bool, int, str)):
         return data
     if isinstance(data, float):  # lenient: an untagged JSON float
         return data
     if isinstance(data, list):
-        return [decode(v, f"{where}[{i}]", tensor_tag, on_tensor) for i, v in enumerate(data)]
+        return [again(v, f"{where}[{i}]") for i, v in enumerate(data)]
     if not isinstance(data, dict) or len(data) != 1:
         raise ValueError(f"{where}: expected a tagged value, got {data!r}")
     ((tag, body),) = data.items()
@@ -232,6 +327,14 @@ def decode(
             return dtype
     if tag == "size" and isinstance(body, list) and all(_is_int(s) for s in body):
         return torch.Size(body)
+    if tag in SET_TAGS and isinstance(body, list):
+        try:
+            items = [again(v, f"{where} item") for v in body]
+            return set(items) if tag == "set" else frozenset(items)
+        except TypeError:
+            raise ValueError(f"{where}: a set item is not hashable") from None
+    if tag == VIEW_TAG and on_view is not None and _is_view_body(body):
+        return on_view(body, where)
     if tag == SUBCLASS_TAG and _is_subclass_body(body):
         inner = {attr: again(v, f"{where}.{attr}") for attr, v in body["tensors"]}
         context = decode(body["context"], f"{where} context", tensor_tag, _no_tensor)
@@ -262,6 +365,19 @@ def _is_subclass_body(body: Any) -> bool:
     )
 
 
+def _is_view_body(body: Any) -> bool:
+    return (
+        isinstance(body, dict)
+        and set(body) == {"of", "size", "stride", "offset"}
+        and _is_int(body["offset"])
+        and all(
+            isinstance(x, list) and all(_is_int(s) for s in x)
+            for x in (body["size"], body["stride"])
+        )
+        and len(body["size"]) == len(body["stride"])
+    )
+
+
 def _no_tensor(body: Any, where: str) -> Any:
     raise ValueError(f"{where}: a tensor subclass's context holds no tensors")
 
@@ -281,9 +397,30 @@ def flatten_state(
         ({'1': {'dict': [['step', 3], ['m', {'tensor': 0}]]}}, 1)
     """
     tensors: list[torch.Tensor] = []
-    on_tensor = _placeholder(tensors)
-    structure = {str(i): encode(dict(states[i]), f"state[{i}]", on_tensor) for i in sorted(states)}
+    structure = {}
+    for i in sorted(states):
+        skeleton, mine = flatten_param_state(states[i], f"state[{i}]")
+        structure[str(i)] = _renumbered(skeleton, len(tensors))
+        tensors.extend(mine)
     return structure, tensors
+
+
+def _renumbered(skeleton: Any, by: int) -> Any:
+    """``skeleton`` with every tensor number raised by ``by``."""
+    if isinstance(skeleton, list):
+        return [_renumbered(v, by) for v in skeleton]
+    if isinstance(skeleton, dict) and len(skeleton) == 1:
+        ((tag, body),) = skeleton.items()
+        if tag == TENSOR_TAG:
+            return {tag: body + by}
+        if tag == SUBCLASS_TAG:
+            tensors = [[attr, _renumbered(v, by)] for attr, v in body["tensors"]]
+            return {tag: {**body, "tensors": tensors}}
+        if tag == VIEW_TAG:
+            return {tag: {**body, "of": _renumbered(body["of"], by)}}
+        if tag in ("tuple", "dict"):
+            return {tag: _renumbered(body, by)}
+    return skeleton
 
 
 def unflatten_state(
@@ -317,7 +454,16 @@ def tensor_paths(skeleton: Any, prefix: str = "") -> list[str]:
     """
     found: list[tuple[int, str]] = []
     _walk_paths(skeleton, prefix, found)
-    return [path for _, path in sorted(found)]
+    first: dict[int, str] = {}
+    for number, path in found:  # the views of one span name it by the first
+        first.setdefault(number, path)
+    paths: list[str] = []
+    for number in sorted(first):  # keys 0 and "0" of one dict: make the names unique
+        path, n = first[number], 1
+        while path in paths:
+            path, n = f"{first[number]}#{n}", n + 1
+        paths.append(path)
+    return paths
 
 
 def _walk_paths(skeleton: Any, path: str, found: list[tuple[int, str]]) -> None:
@@ -333,6 +479,8 @@ def _walk_paths(skeleton: Any, path: str, found: list[tuple[int, str]]) -> None:
             found.append((body, path))
         elif tag == "tuple":
             _walk_paths(body, path, found)
+        elif tag == VIEW_TAG and isinstance(body, dict):
+            _walk_paths(body.get("of"), path, found)
         elif tag == SUBCLASS_TAG and isinstance(body, dict):
             for attr, v in body.get("tensors", ()):
                 _walk_paths(v, join(attr), found)
@@ -348,14 +496,43 @@ def holds_subclass(skeleton: Any) -> bool:
         >>> holds_subclass(flatten_value([torch.ones(1)])[0])
         False
     """
+    return bool(tags_in(skeleton) & {SUBCLASS_TAG})
+
+
+#: The tags that format version 5 added (sets, views); with a non-string key, what needs it.
+NEW_IN_5 = frozenset({*SET_TAGS, VIEW_TAG})
+
+
+def tags_in(skeleton: Any) -> set[str]:
+    """The tags ``skeleton`` (of :func:`encode`) uses, nested ones included, and
+    ``"key"`` when a dict in it has a key other than a string.
+
+    Example:
+        >>> sorted(tags_in(flatten_value({0: {"s": {1}}, "t": (torch.ones(1),)})[0]))
+        ['dict', 'key', 'set', 'tensor', 'tuple']
+    """
+    found: set[str] = set()
+    _collect_tags(skeleton, found)
+    return found
+
+
+def _collect_tags(skeleton: Any, found: set[str]) -> None:
     if isinstance(skeleton, list):
-        return any(holds_subclass(v) for v in skeleton)
-    if isinstance(skeleton, dict) and len(skeleton) == 1:
+        for item in skeleton:
+            _collect_tags(item, found)
+    elif isinstance(skeleton, dict) and len(skeleton) == 1:
         ((tag, body),) = skeleton.items()
-        if tag == SUBCLASS_TAG:
-            return True
-        return tag in ("tuple", "dict") and holds_subclass(body)
-    return False
+        found.add(tag)
+        if tag == "dict" and isinstance(body, list):
+            for pair in body:
+                if isinstance(pair, list) and len(pair) == 2:
+                    if not isinstance(pair[0], str):
+                        found.add("key")
+                    _collect_tags(pair, found)
+        elif tag == SUBCLASS_TAG and isinstance(body, dict):
+            _collect_tags([v for _, v in body.get("tensors", ())], found)
+        elif tag in ("tuple", VIEW_TAG, *SET_TAGS):
+            _collect_tags(body if tag != VIEW_TAG else body.get("of"), found)
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
