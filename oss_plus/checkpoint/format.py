@@ -31,7 +31,7 @@ from oss_plus.checkpoint.entries import (
     tensor_name,
 )
 from oss_plus.checkpoint.values import decode_value, encode_value
-from oss_plus.state.nested import holds_subclass
+from oss_plus.state.nested import NEW_IN_5, holds_subclass, tags_in
 
 __all__ = [
     "CONSOLIDATED",
@@ -64,10 +64,11 @@ FORMAT_NAME = "oss_plus.optimizer_checkpoint"
 #: The newest version this module reads and writes. A save writes version 1 unless its state
 #: holds tensors inside containers (:class:`NestedValue`, version 2) or tensors stored as
 #: pieces (:class:`PiecesValue`, version 3) or tensor subclasses (torchao's low-bit states in a
-#: :class:`NestedValue`, version 4), so older readers still read every checkpoint they can.
-FORMAT_VERSION = 4
+#: :class:`NestedValue`, version 4) or what version 5 added (:func:`needs_version_5`: sets,
+#: views, keys other than strings), so older readers still read every checkpoint they can.
+FORMAT_VERSION = 5
 #: The versions this module reads.
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 #: Name of the index inside a checkpoint directory (the commit point of a save).
 INDEX_FILE = "index.json"
 #: Key of the save id in the ``__metadata__`` of every data file.
@@ -179,7 +180,7 @@ class Index:
     save_id: str
     param_groups: list[dict[str, Any]]
     files: dict[str, dict[str, int]]
-    state: dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]]
+    state: dict[int, dict[Any, TensorRef | PlainValue | NestedValue | PiecesValue]]
     params: list[dict[str, Any]] | None = None
     optimizer: str | None = None
     world_size: int | None = None
@@ -194,6 +195,8 @@ class Index:
     @property
     def format_version(self) -> int:
         """The version this index is written with: the lowest that can hold its state."""
+        if any(needs_version_5(entries) for entries in self.state.values()):
+            return 5
         values = [v for e in self.state.values() for v in e.values()]
         kinds = {type(v) for v in values}
         if any(isinstance(v, NestedValue) and holds_subclass(v.skeleton) for v in values):
@@ -298,6 +301,11 @@ class Index:
                     and holds_subclass(entry.skeleton)
                 ):
                     raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
+            if version < 5 and needs_version_5(entries):
+                raise ValueError(
+                    f"{where}: state {i} holds a set, a view or a non-string key, which a "
+                    f"version-{version} index cannot: the index is damaged"
+                )
         index = cls(
             layout=data["layout"],
             save_id=str(data["save_id"]),
@@ -313,6 +321,20 @@ class Index:
         )
         _check_counts(index, data.get("num_params"), where)
         return index
+
+
+def needs_version_5(entries: Mapping[Any, Any]) -> bool:
+    """Whether one param's entries need format version 5: a key that is not a string, or a
+    value holding a set or frozenset, or a tensor stored as a view (its strides, or its
+    storage shared, :mod:`oss_plus.state.layout`)."""
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return True
+        if isinstance(entry, NestedValue) and tags_in(entry.skeleton) & NEW_IN_5:
+            return True
+        if isinstance(entry, PlainValue) and tags_in(encode_value(entry.value, "")) & NEW_IN_5:
+            return True
+    return False
 
 
 def _check_counts(index: Index, num_params: Any, where: str) -> None:

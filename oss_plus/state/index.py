@@ -20,7 +20,7 @@ import torch
 
 # also for the 0.2 paths oss_plus.state.group_offsets / local_view (oss_plus._moved), until 0.4
 from oss_plus.planning.partition import group_offsets, local_view
-from oss_plus.state.nested import map_tensors
+from oss_plus.state.nested import map_storages
 from oss_plus.state.subclass import clone_tensor
 
 __all__ = [
@@ -130,7 +130,7 @@ def local_state_dict(
         for offset, index in enumerate(members):
             if index in states:
                 state[position + offset] = {
-                    k: map_tensors(v, clone_tensor) if copy_tensors else v
+                    k: map_storages(v, clone_tensor) if copy_tensors else v
                     for k, v in states[index].items()
                 }
         position += len(members)
@@ -152,7 +152,7 @@ def place_states(
         group = group_of[id(param)]
         on_device = bool(group.get("fused") or group.get("capturable"))
         place = functools.partial(_place, device=param.device, scalars_on_device=on_device)
-        inner.state[param] = {k: map_tensors(v, place) for k, v in state.items()}
+        inner.state[param] = {k: map_storages(v, place) for k, v in state.items()}
 
 
 def _place(value: torch.Tensor, device: torch.device, scalars_on_device: bool) -> torch.Tensor:

@@ -51,11 +51,13 @@ __all__ = [
     "TENSOR_TAG",
     "decode",
     "encode",
+    "encode_key",
     "flatten_state",
     "flatten_param_state",
     "flatten_value",
     "holds_subclass",
     "tags_in",
+    "map_storages",
     "map_tensors",
     "tensor_paths",
     "unflatten_state",
@@ -117,9 +119,22 @@ def flatten_param_state(state: Mapping[Any, Any], where: str) -> tuple[Any, list
     pairs = []
     for k, v in state.items():
         at = f"{where}[{k!r}]"
-        key = encode(k, f"{where} key", _tensor_key)
+        key = encode_key(k, f"{where} key")
         pairs.append([key, encode(v, at, _placeholder(tensors, _spans_of(v, at)))])
     return {"dict": pairs}, tensors
+
+
+def encode_key(key: Any, where: str) -> Any:
+    """The tagged JSON data of a state key (:func:`encode`; a tensor inside is refused).
+
+    Raises:
+        TypeError: ``key`` holds a tensor or has no JSON form.
+
+    Example:
+        >>> encode_key((1, None), "state[0] key")
+        {'tuple': [1, None]}
+    """
+    return encode(key, where, _tensor_key)
 
 
 def _tensor_key(tensor: torch.Tensor, where: str) -> Any:
@@ -533,6 +548,26 @@ def _collect_tags(skeleton: Any, found: set[str]) -> None:
             _collect_tags([v for _, v in body.get("tensors", ())], found)
         elif tag in ("tuple", VIEW_TAG, *SET_TAGS):
             _collect_tags(body if tag != VIEW_TAG else body.get("of"), found)
+
+
+def map_storages(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """:func:`map_tensors`, keeping the layout (:mod:`oss_plus.state.layout`): ``fn`` maps
+    the span of a view (a 1-D tensor) and every other tensor, and views are rebuilt over
+    the mapped spans, so a transposed or strided view, and views of one storage, stay so
+    through a copy or a move (``clone`` or ``to`` alone make strided views contiguous).
+
+    Example:
+        >>> moved = map_storages([torch.ones(2, 3).t()], lambda t: t.clone())
+        >>> moved[0].stride()
+        (1, 3)
+    """
+    try:
+        skeleton, tensors = flatten_value(value)
+    except TypeError:  # holds what cannot travel: mapped as it is
+        return map_tensors(value, fn)
+    if VIEW_TAG not in tags_in(skeleton):
+        return map_tensors(value, fn)
+    return unflatten_value(skeleton, [fn(t) for t in tensors])
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
