@@ -227,10 +227,14 @@ def decode_state(
     Raises:
         ValueError: a malformed entry (named by index and key) or an unlisted file.
     """
-    return {int(i): _parse_entries(entries, f"{where}: state {i}", files) for i, entries in data.items()}
+    return {
+        int(i): _parse_entries(entries, f"{where}: state {i}", files) for i, entries in data.items()
+    }
 
 
-def _parse_entries(entries: Mapping[str, Any], where: str, files: Mapping[str, Any]) -> dict[Any, Any]:
+def _parse_entries(
+    entries: Mapping[str, Any], where: str, files: Mapping[str, Any]
+) -> dict[Any, Any]:
     """One param's entries by key: a label's ``"key"`` member is the key (version 5)."""
     out: dict[Any, Any] = {}
     for label, entry in entries.items():

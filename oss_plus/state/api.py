@@ -173,9 +173,11 @@ class ShardedStateDict:
 
     def _dcp_state_dict(self, options: Any) -> dict[str, Any]:
         """``state_dict()`` as torch's ``get_*state_dict`` asked for it (``options``)."""
+        flat = bool(getattr(options, "flatten_optimizer_state_dict", False))
         if getattr(options, "full_state_dict", False):
-            return _dcp.full_state_dict(self, bool(getattr(options, "cpu_offload", False)))
-        return _dcp.sharded_state_dict(self, template=torch_callers.for_full_load())
+            cpu_offload = bool(getattr(options, "cpu_offload", False))
+            return _dcp.full_state_dict(self, cpu_offload, flat)
+        return _dcp.sharded_state_dict(self, template=torch_callers.for_full_load(), flat=flat)
 
     def _run_post_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         for post_hook in self._optimizer_state_dict_post_hooks.values():
