@@ -51,7 +51,8 @@ VALUE_KEY = "oss_plus_value"
 def dcp_native(value: Any, flat: bool = False, full: bool = False) -> bool:
     """Whether torch's state-dict API carries ``value`` as it is: under
     ``flatten_optimizer_state_dict=True`` (``flat``) no list, tuple, string or None; under
-    ``full_state_dict=True`` (``full``) no tuple (torch's full load makes it a list).
+    ``full_state_dict=True`` (``full``) no tuple (torch's full load makes it a list); under
+    either no empty container (SOAP's ``[[]]`` for a bias: torch keeps leaves only).
 
     Example:
         >>> dcp_native([torch.ones(1), None]), dcp_native([torch.ones(1)], flat=True)
@@ -61,6 +62,8 @@ def dcp_native(value: Any, flat: bool = False, full: bool = False) -> bool:
         return is_plain(value)
     if isinstance(value, (bool, int, float)):
         return True
+    if (flat or full) and isinstance(value, (dict, list, tuple)) and not value:
+        return False  # torch's flattening keeps leaves only: an empty container is lost
     if isinstance(value, dict):
         return all(isinstance(k, str) and dcp_native(v, flat, full) for k, v in value.items())
     if flat:
