@@ -39,7 +39,7 @@ from oss_plus.checkpoint.format import (
     tensor_name,
 )
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
-from oss_plus.state.index import pack_param_groups
+from oss_plus.state.index import own_group_keys, pack_param_groups
 from oss_plus.state.layout import is_default_layout
 from oss_plus.state.nested import encode_key, flatten_value
 from oss_plus.state.subclass import is_plain
@@ -108,7 +108,8 @@ def split_state(states: Mapping[int, Mapping[Any, Any]], pieces: Pieces | None =
 
     Raises:
         TypeError: a key that holds a tensor, a dtype safetensors cannot store, a sparse
-            tensor, or a value JSON cannot store (the message names the param, the key and the place).
+            tensor, or a value JSON cannot store (the message names the param, the key and
+            the place).
     """
     entries: Entries = {}
     pieces = pieces or {}
@@ -195,7 +196,7 @@ def describe(optimizer: Any, layout: str, save_id: str) -> Index:
         {"shape": list(p.shape), "dtype": dtype_string(p.dtype), "trainable": p.requires_grad}
         for p in optimizer.flat_params()
     ]
-    groups = pack_param_groups(optimizer.param_groups)
+    groups = pack_param_groups(optimizer.param_groups, own_group_keys(optimizer.optim))
     encode_groups(groups, "param_groups")
     return Index(
         layout=layout,

@@ -51,13 +51,14 @@ import torch.distributed as dist
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.state.consolidate import ALL_RANKS
+from oss_plus.state.dcp_form import SUBCLASS_KEY, from_dcp_form, to_dcp_form
 from oss_plus.state.index import (
     ParamState,
+    own_group_keys,
     pack_param_groups,
     per_element_keys,
     validate_state_dict,
 )
-from oss_plus.state.dcp_form import SUBCLASS_KEY, VALUE_KEY, from_dcp_form, to_dcp_form
 from oss_plus.state.sharded_tensor import holds_sharded, local_piece, range_blocks, to_sharded
 from oss_plus.wire.main.region import MAIN_KEY
 
@@ -196,7 +197,10 @@ def sharded_state_dict(
                 if k in piece
             }
             state[i].update(rest)
-        return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
+        return {
+            "state": state,
+            "param_groups": pack_param_groups(optimizer.param_groups, _group_keys(optimizer, flat)),
+        }
 
     optimizer.settle()
     result = _dist.run_phase(build, optimizer.group)
@@ -236,27 +240,37 @@ def _add_placeholders(state: dict[int, ParamState], group: Any) -> None:
                 state[int(i)].setdefault(key, _placeholder(kind))
 
 
-def _kind(value: Any) -> str | None:
-    """What :func:`_add_placeholders` stands in for ``value`` with: a dtype, a form's
-    description only (torch copies a tensor only where the template has it), or an empty
-    container (torch puts the loaded items of a list or dict in the template's one)."""
+def _kind(value: Any) -> Any:
+    """What :func:`_add_placeholders` stands in for ``value`` with (JSON): a dtype, a
+    subclass form's description only (torch copies a tensor only where the template has
+    it), a dict's kinds of its 0-dim and plain entries (torch sets those on every rank,
+    inside the described form too), or an empty list (torch fills the template's list)."""
     if isinstance(value, torch.Tensor):
         return str(value.dtype)
-    if isinstance(value, Mapping) and (SUBCLASS_KEY in value or VALUE_KEY in value):
-        return SUBCLASS_KEY if SUBCLASS_KEY in value else VALUE_KEY
-    if isinstance(value, (list, tuple, Mapping)):
-        return "dict" if isinstance(value, Mapping) else "list"
-    return None
+    if isinstance(value, Mapping) and SUBCLASS_KEY in value:
+        return SUBCLASS_KEY
+    if isinstance(value, Mapping):
+        return {"dict": {k: _kind(v) for k, v in value.items() if not _per_element(v)}}
+    return "list" if isinstance(value, (list, tuple)) else None
 
 
-def _placeholder(kind: str | None) -> Any:
+def _placeholder(kind: Any) -> Any:
     """The placeholder of :func:`_kind`: what stands for a param this rank does not hold
     (its load drops it)."""
     if kind == SUBCLASS_KEY:
         return {SUBCLASS_KEY: torch.zeros(0, dtype=torch.uint8)}
-    if kind in (VALUE_KEY, "dict", "list"):
-        return {VALUE_KEY: 0} if kind == VALUE_KEY else {} if kind == "dict" else []
+    if isinstance(kind, dict):
+        return {k: _placeholder(v) for k, v in kind["dict"].items()}
+    if kind == "list":
+        return []
     return torch.zeros((), dtype=getattr(torch, kind[6:])) if kind else None
+
+
+def _group_keys(optimizer: Any, flat: bool) -> list[frozenset[str]] | None:
+    """The param-group keys handed to torch: those of the inner optimizer's own
+    ``state_dict()``, or every key under ``flatten_optimizer_state_dict`` (torch's flat
+    load looks up every key of the live groups)."""
+    return None if flat else own_group_keys(optimizer.optim)
 
 
 def _per_element(value: Any) -> bool:
@@ -276,7 +290,10 @@ def full_state_dict(optimizer: Any, cpu_offload: bool, flat: bool = False) -> di
     whole = optimizer.consolidated_state or {}
     state = {i: to_dcp_form(whole[i], f"state[{i}]", flat, full=True) for i in sorted(whole)}
     optimizer.drop_consolidated()
-    return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
+    return {
+        "state": state,
+        "param_groups": pack_param_groups(optimizer.param_groups, _group_keys(optimizer, flat)),
+    }
 
 
 def _check_whole(

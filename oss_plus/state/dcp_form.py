@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,12 +101,31 @@ def to_dcp_form(
         else:
             tagged = encode_key(key, f"{where} key")
             skeleton, tensors = flatten_value(value, at)
-            text = json.dumps({"key": tagged, "skeleton": skeleton}).encode()
-            name = _name(key, tagged, state, out)
-            out[name] = {
+            scalars = _scalars(tensors)
+            described = {"key": tagged, "skeleton": skeleton, "scalars": scalars}
+            text = json.dumps(described).encode()
+            paths = tensor_paths(skeleton)
+            out[_name(key, tagged, state, out)] = {
                 VALUE_KEY: int.from_bytes(b"\x01" + text, "big"),
-                **dict(zip(tensor_paths(skeleton), tensors)),
+                **{p: t for n, (p, t) in enumerate(zip(paths, tensors)) if str(n) not in scalars},
             }
+    return out
+
+
+def _scalars(tensors: list[torch.Tensor]) -> dict[str, list[Any]]:
+    """The 0-dim tensors of a form, by number: ``[dtype, value]``. They travel in its
+    description (a value torch sets whole), not as tensors: a template made at another world
+    size may hold them elsewhere (heavyball keeps ``step`` on each instance's first param)."""
+    out = {}
+    for n, t in enumerate(tensors):
+        if t.dim() == 0 and not t.dtype.is_complex:
+            item = t.item()
+            value = (
+                {"float": item if math.isfinite(item) else repr(item)}
+                if isinstance(item, float)
+                else item
+            )
+            out[str(n)] = [str(t.dtype).removeprefix("torch."), value]
     return out
 
 
@@ -138,9 +158,8 @@ def from_dcp_form(state: Mapping[str, Any], where: str) -> dict[Any, Any]:
             out[key] = _rebuild(_subclass_skeleton(value[SUBCLASS_KEY], at), value, at)
         elif isinstance(value, Mapping) and VALUE_KEY in value:
             described = _description(value[VALUE_KEY], at)
-            out[unflatten_value(described["key"], [], at)] = _rebuild(
-                described["skeleton"], value, at
-            )
+            key = unflatten_value(described["key"], [], at)
+            out[key] = _rebuild(described["skeleton"], value, at, described.get("scalars", {}))
         else:
             out[key] = value
     return out
@@ -161,14 +180,31 @@ def _description(number: Any, where: str) -> dict[str, Any]:
         described = json.loads(raw[1:].decode()) if raw[:1] == b"\x01" else None
     except (TypeError, ValueError, OverflowError):
         described = None
-    if not isinstance(described, dict) or set(described) != {"key", "skeleton"}:
+    if not isinstance(described, dict) or not {"key", "skeleton"} <= set(described):
         raise ValueError(f"{where}: a malformed {VALUE_KEY} description of a state value")
     return described
 
 
-def _rebuild(skeleton: Any, value: Mapping[str, Any], where: str) -> Any:
+def _rebuild(
+    skeleton: Any, value: Mapping[str, Any], where: str, scalars: Mapping[str, Any] | None = None
+) -> Any:
+    scalars = scalars or {}
     paths = tensor_paths(skeleton)
-    missing = [p for p in paths if p not in value]
+    missing = [p for n, p in enumerate(paths) if p not in value and str(n) not in scalars]
     if missing:
         raise ValueError(f"{where}: the state value's tensors {missing} are missing")
-    return unflatten_value(skeleton, [value[p] for p in paths], where)
+    tensors = [
+        _scalar(scalars[str(n)], where) if str(n) in scalars else value[p]
+        for n, p in enumerate(paths)
+    ]
+    return unflatten_value(skeleton, tensors, where)
+
+
+def _scalar(spec: Any, where: str) -> torch.Tensor:
+    dtype = (
+        getattr(torch, str(spec[0]), None) if isinstance(spec, list) and len(spec) == 2 else None
+    )
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: a malformed 0-dim tensor {spec!r}")
+    number = spec[1]["float"] if isinstance(spec[1], dict) else spec[1]
+    return torch.tensor(float(number) if isinstance(number, str) else number, dtype=dtype)
