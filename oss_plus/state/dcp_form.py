@@ -38,7 +38,13 @@ from typing import Any
 
 import torch
 
-from oss_plus.state.nested import encode_key, flatten_value, tensor_paths, unflatten_value
+from oss_plus.state.nested import (
+    encode_key,
+    flatten_value,
+    holds_subclass,
+    tensor_paths,
+    unflatten_value,
+)
 from oss_plus.state.subclass import is_plain
 
 __all__ = ["SUBCLASS_KEY", "VALUE_KEY", "dcp_native", "from_dcp_form", "to_dcp_form"]
@@ -192,7 +198,12 @@ def _rebuild(
     paths = tensor_paths(skeleton)
     missing = [p for n, p in enumerate(paths) if p not in value and str(n) not in scalars]
     if missing:
-        raise ValueError(f"{where}: the state value's tensors {missing} are missing")
+        what = (
+            "tensor subclass's inner tensors"
+            if not scalars and holds_subclass(skeleton)
+            else "state value's tensors"
+        )
+        raise ValueError(f"{where}: the {what} {missing} are missing")
     tensors = [
         _scalar(scalars[str(n)], where) if str(n) in scalars else value[p]
         for n, p in enumerate(paths)
