@@ -109,10 +109,10 @@ def to_dcp_form(
             skeleton, tensors = flatten_value(value, at)
             scalars = _scalars(tensors)
             described = {"key": tagged, "skeleton": skeleton, "scalars": scalars}
-            text = json.dumps(described).encode()
+            raw = json.dumps(described).encode()
             paths = tensor_paths(skeleton)
             out[_name(key, tagged, state, out)] = {
-                VALUE_KEY: int.from_bytes(b"\x01" + text, "big"),
+                VALUE_KEY: int.from_bytes(b"\x01" + raw, "big"),
                 **{p: t for n, (p, t) in enumerate(zip(paths, tensors)) if str(n) not in scalars},
             }
     return out

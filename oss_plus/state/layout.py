@@ -116,8 +116,8 @@ def plan_spans(tensors: Sequence[torch.Tensor]) -> dict[_StorageKey, tuple[int, 
     for key, members in groups.items():
         shared = len({id(t) for t in members}) > 1
         if shared or not all(is_default_layout(t) for t in members):
-            lo = min(t.storage_offset() for t in members)
-            hi = max(t.storage_offset() + extent(t.shape, t.stride()) for t in members)
+            lo = min(int(t.storage_offset()) for t in members)
+            hi = max(int(t.storage_offset()) + extent(t.shape, t.stride()) for t in members)
             spans[key] = (lo, hi)
     return spans
 
