@@ -18,11 +18,16 @@ Every resume is checked twice: the loaded state equals the reference (as above),
 :data:`MORE` steps later the params are bit-identical to the unsharded run's and the state
 equals the one it holds. The result is the sorted list of the paths each rank checked.
 
-The model is tiny (8 -> 16 -> 4, four params), so a case costs seconds, not minutes.
+The default model is tiny (8 -> 16 -> 4, four params), so a case costs seconds. To add an
+optimizer: a module-level factory returning ``(class, kwargs)``, a :class:`Case` (a model
+and inputs of its own where it needs them: a quantized optimizer wants 4096-element
+weights), and ``pool.run(every_path_task, case, str(tmp_path), world_size=3)`` compared with
+:func:`expected_paths` (``tests/test_state_layout.py`` does so for its cases).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -54,28 +59,44 @@ DCP_OPTIONS = {
 CHECKPOINTS = {"sharded": {}, "consolidated": {"sharded": False}, "async": {"blocking": False}}
 
 
-@dataclass(frozen=True)
-class Case:
-    """An optimizer to run through every path: ``make()`` returns ``(class, kwargs)``."""
-
-    name: str
-    make: Callable[[], tuple[type, dict[str, Any]]]
-    #: Applied to both sides before states are compared (by param index -> state), for an
-    #: optimizer whose state depends on which params one instance holds (say why).
-    normalize: Callable[[dict], Any] | None = None
-
-
 # ------------------------------------------------------------------ model, data, comparisons
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
+def make_inputs(step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
+@dataclass(frozen=True)
+class Case:
+    """An optimizer to run through every path: ``make()`` returns ``(class, kwargs)``.
+
+    ``model(seed)`` and ``inputs(step)`` give the model and its batches (module-level
+    functions: the pool ships a case by reference); ``context()`` wraps the whole task (e.g.
+    a patched ``torch.compile``).
+    """
+
+    name: str
+    make: Callable[[], tuple[type, dict[str, Any]]]
+    #: Applied to both sides before states are compared (by param index -> state), for an
+    #: optimizer whose state depends on which params one instance holds (say why).
+    normalize: Callable[[dict], Any] | None = None
+    model: Callable[[int], torch.nn.Module] = make_model
+    inputs: Callable[[int], torch.Tensor] = make_inputs
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+#: The case of the task running in this process (set by :func:`every_path_task`).
+_CASE: list[Case] = []
+
+
 def train(model, opt, steps: int, start: int = 0) -> None:
+    inputs = _CASE[-1].inputs if _CASE else make_inputs
     for step in range(start, start + steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
+        model(inputs(step)).pow(2).mean().backward()
         opt.step()
 
 
@@ -164,7 +185,7 @@ def reference(case: Case):
     """The unsharded optimizer: after SAVED steps its model, its ``state_dict()`` through
     the pickling reference, and after MORE its model and the state it holds."""
     cls, kwargs = case.make()
-    model = make_model()
+    model = case.model(0)
     opt = cls(model.parameters(), **kwargs)
     train(model, opt, SAVED)
     saved = copy.deepcopy(model), pickled(opt.state_dict())
@@ -175,7 +196,7 @@ def reference(case: Case):
 def fresh(case: Case, group, params_of=None):
     """A new model (the saved run's params when ``params_of`` is given) and OSS over it."""
     cls, kwargs = case.make()
-    model = make_model(seed=1)
+    model = case.model(1)
     if params_of is not None:
         with torch.no_grad():
             for p, q in zip(model.parameters(), params_of.parameters()):
@@ -204,7 +225,7 @@ def check_resumed(name: str, model, opt, ref, case: Case) -> str:
 def _save_all(case: Case, group, rank: int, root: str, ref) -> list[str]:
     """At 2 ranks: train, consolidate, save every checkpoint, resume from the dicts."""
     (saved_model, saved_sd), want = ref
-    model, opt = fresh(case, group, params_of=make_model())
+    model, opt = fresh(case, group, params_of=case.model(0))
     train(model, opt, SAVED)
     same_params(model, saved_model)
     checked = ["train"]
@@ -231,7 +252,7 @@ def _save_all(case: Case, group, rank: int, root: str, ref) -> list[str]:
         if future is not None:
             future.result(timeout=60)
     for name, options in DCP_OPTIONS.items():
-        m, o = fresh(case, group, params_of=make_model())
+        m, o = fresh(case, group, params_of=case.model(0))
         train(m, o, SAVED)  # the state opt had at the other saves
         _, optim_sd = get_state_dict(m, o, options=StateDictOptions(**options))
         dcp.save({"optim": optim_sd}, checkpoint_id=os.path.join(root, name), process_group=group)
@@ -266,15 +287,20 @@ def _load_all(case: Case, group, root: str, ref, where: str) -> list[str]:
 def every_path_task(ctx, case: Case, root: str) -> list[str]:
     """Every path of one case, at 3 ranks (see the module docstring)."""
     assert ctx.world_size == 3, "every_path_task runs on 3 ranks"
-    ref = reference(case)
-    checked = []
-    if ctx.rank < 2:
-        checked += _save_all(case, ctx.groups[(0, 1)], ctx.rank, root, ref)
-    dist.barrier(group=ctx.group)
-    checked += _load_all(case, ctx.group, root, ref, "3 ranks")
-    if ctx.rank == 0:
-        checked += _load_all(case, ctx.groups[(0,)], root, ref, "1 rank")
-    dist.barrier(group=ctx.group)
+    _CASE.append(case)
+    try:
+        with case.context():
+            ref = reference(case)
+            checked = []
+            if ctx.rank < 2:
+                checked += _save_all(case, ctx.groups[(0, 1)], ctx.rank, root, ref)
+            dist.barrier(group=ctx.group)
+            checked += _load_all(case, ctx.group, root, ref, "3 ranks")
+            if ctx.rank == 0:
+                checked += _load_all(case, ctx.groups[(0,)], root, ref, "1 rank")
+            dist.barrier(group=ctx.group)
+    finally:
+        _CASE.pop()
     return sorted(checked)
 
 
