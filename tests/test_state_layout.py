@@ -326,3 +326,24 @@ def test_state_that_cannot_travel_raises_on_every_rank_before_anything_moves(poo
             if rank == 0:
                 assert "rank(s) [1]" in text, (path, text)
     assert not os.path.exists(tmp_path / "s") and not os.path.exists(tmp_path / "c")
+
+
+def test_a_per_element_view_stored_whole_is_read_as_a_piece(tmp_path):
+    """A state tensor shaped like its param but stored as a view (version 5) is cut into this
+    rank's piece under the flat rule, as a stored tensor is."""
+    from pathlib import Path
+
+    from oss_plus.checkpoint import write_state_dict
+    from oss_plus.checkpoint.assemble import read_states
+    from oss_plus.checkpoint.validate import read_index
+
+    momentum = torch.arange(12.0).reshape(3, 4).t()  # (4, 3), stride (1, 4)
+    sd = {"state": {0: {"momentum_buffer": momentum}}, "param_groups": [{"params": [0]}]}
+    write_state_dict(sd, tmp_path / "c")
+    root = Path(tmp_path / "c")
+    index = read_index(root)
+    assert index.to_json()["format_version"] == 5
+    whole = read_states(root, index, [0])[0]["momentum_buffer"]
+    assert whole.stride() == (1, 4) and torch.equal(whole, momentum)
+    piece = read_states(root, index, [0], pieces={0: (2, 7)}, shapes=[(4, 3)])
+    assert torch.equal(piece[0]["momentum_buffer"], momentum.reshape(-1)[2:7])
