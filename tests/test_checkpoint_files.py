@@ -118,9 +118,9 @@ def test_state_ids_that_are_not_flat_indices_are_renumbered(tmp_path):
             "key 'm' at state.0.m/pre/1 has dtype torch.complex128",
         ),
         (
-            {"state": {0: {"m": [torch.zeros(2), {1}]}}, "param_groups": [{"params": [0]}]},
+            {"state": {0: {"m": [torch.zeros(2), {print}]}}, "param_groups": [{"params": [0]}]},
             TypeError,
-            r"key 'm'\[1\] is a set",
+            r"key 'm'\[1\] item is a builtin_function_or_method",
         ),
         ({"state": {}, "param_groups": [{"params": [0], "hook": print}]}, TypeError, "'hook'"),
     ],
@@ -130,7 +130,7 @@ def test_state_ids_that_are_not_flat_indices_are_renumbered(tmp_path):
         "unknown id",
         "complex",
         "nested complex",
-        "nested set",
+        "function in a nested set",
         "function",
     ],
 )

@@ -98,12 +98,12 @@ def test_small_tensors_in_param_groups_are_stored_inline_exactly(dtype):
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        ({1, 2}, ["set", "where"]),
+        ({torch.ones(1)}, ["where[0] item", "Tensor", "set items"]),
         (object(), ["object", "where"]),
         (1j, ["complex"]),
         (torch.zeros(1 << 19), ["bytes", "limited"]),
     ],
-    ids=["set", "object", "complex", "big tensor"],
+    ids=["tensor in a set", "object", "complex", "big tensor"],
 )
 def test_values_that_cannot_be_stored_are_refused_with_their_location(value, words):
     with pytest.raises(TypeError) as info:

@@ -84,7 +84,12 @@ def test_flatten_state_numbers_tensors_by_index_then_depth_first():
 
 @pytest.mark.parametrize(
     "bad, where",
-    [({"f": object()}, "state[0]['f']"), ({"l": [1, {2}]}, "state[0]['l'][1]")],
+    [
+        ({"f": object()}, "state[0]['f']"),
+        ({"l": [1, {object()}]}, "state[0]['l'][1] item"),
+        ({"s": {torch.ones(1)}}, "state[0]['s'] item"),
+        ({"d": {(1, torch.ones(1)): 2}}, "state[0]['d'] key"),
+    ],
 )
 def test_flatten_rejects_what_json_cannot_hold_naming_where(bad, where):
     with pytest.raises(TypeError, match=r"optimizer state .* is a"):

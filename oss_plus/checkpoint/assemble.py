@@ -31,6 +31,7 @@ from oss_plus.checkpoint.plan import nbytes_of
 from oss_plus.checkpoint.storage import crc32_of
 from oss_plus.checkpoint.values import dtype_name
 from oss_plus.state.nested import unflatten_value
+from oss_plus.state.subclass import is_plain
 
 __all__ = ["OTHER_SAVE", "PARTIAL_READ_BYTES", "read_states"]
 
@@ -83,10 +84,25 @@ def read_states(
             return parts[0].reshape(shape) if len(parts) == 1 else torch.cat(parts).view(shape)
         if isinstance(entry, NestedValue):
             tensors = [_whole(got, r) for r in entry.tensors]
-            return unflatten_value(entry.skeleton, tensors, f"state[{i}][{key!r}]")
+            value = unflatten_value(entry.skeleton, tensors, f"state[{i}][{key!r}]")
+            piece = (pieces or {}).get(i)
+            if piece is not None and _param_shaped(value, shapes, i):  # a view, as a piece
+                return value.reshape(-1)[piece[0] : piece[1]].clone()
+            return value
         return copy.deepcopy(entry.value)
 
     return {i: {k: value_of(i, k, v) for k, v in index.state[i].items()} for i in wanted}
+
+
+def _param_shaped(value: Any, shapes: Sequence[Sequence[int]] | None, i: int) -> bool:
+    """Whether ``value`` is a plain tensor shaped like param ``i`` (a per-element tensor
+    stored as a view, version 5: wanted as this rank's piece like a stored one)."""
+    return (
+        shapes is not None
+        and isinstance(value, torch.Tensor)
+        and is_plain(value)
+        and tuple(value.shape) == tuple(shapes[i])
+    )
 
 
 def _plan_reads(

@@ -10,6 +10,7 @@ like its param stored as 1-D pieces, element ranges of the flattened tensor, nam
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -173,18 +174,38 @@ def check_pieces(value: PiecesValue, where: str) -> None:
 
 
 def encode_state(
-    state: Mapping[int, Mapping[str, TensorRef | PlainValue | NestedValue | PiecesValue]],
+    state: Mapping[int, Mapping[Any, TensorRef | PlainValue | NestedValue | PiecesValue]],
 ) -> dict[str, Any]:
     """Encode per-param state entries (``TensorRef``, ``PlainValue``, ``NestedValue``).
 
     Raises:
         TypeError: a plain value cannot be stored.
     """
-    return {str(i): {k: _encode_entry(v, i, k) for k, v in state[i].items()} for i in sorted(state)}
+    return {str(i): _encode_entries(state[i], i) for i in sorted(state)}
+
+
+def _encode_entries(entries: Mapping[Any, Any], i: int) -> dict[str, Any]:
+    """The JSON object of one param's entries. A key that is not a string (heavyball nests
+    each param's state under ``0``; format version 5) is written under a label, ``#`` and
+    its tagged JSON text (``#0``, ``#{"tuple": [1, 2]}``; ``~`` appended until unique), with
+    the key itself, tagged, as the entry's ``"key"``."""
+    out: dict[str, Any] = {}
+    strings = {k for k in entries if isinstance(k, str)}
+    for key, entry in entries.items():
+        encoded = _encode_entry(entry, i, key)
+        if isinstance(key, str):
+            out[key] = encoded
+            continue
+        tagged = encode_value(key, f"state {i} key {key!r}")
+        label = "#" + json.dumps(tagged, separators=(",", ":"))
+        while label in strings or label in out:
+            label += "~"
+        out[label] = {**encoded, "key": tagged}
+    return out
 
 
 def _encode_entry(
-    entry: TensorRef | PlainValue | NestedValue | PiecesValue, i: int, key: str
+    entry: TensorRef | PlainValue | NestedValue | PiecesValue, i: int, key: Any
 ) -> dict[str, Any]:
     if isinstance(entry, TensorRef):
         return {"tensor": entry.to_json()}
@@ -198,7 +219,7 @@ def _encode_entry(
 
 def decode_state(
     data: Mapping[str, Any], where: str, files: Mapping[str, Any]
-) -> dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]]:
+) -> dict[int, dict[Any, TensorRef | PlainValue | NestedValue | PiecesValue]]:
     """Decode what :func:`encode_state` produced; every file must be one of ``files``.
 
     The pieces of a :class:`PiecesValue` are sorted by start but not checked for coverage
@@ -213,20 +234,36 @@ def decode_state(
     """
     if not isinstance(data, dict):
         raise ValueError(BAD_FIELD.format(where=where, problem="'state' is not a JSON object"))
-    decoded: dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]] = {}
+    decoded: dict[int, dict[Any, TensorRef | PlainValue | NestedValue | PiecesValue]] = {}
     for i, entries in data.items():
         if not str(i).isdigit() or not isinstance(entries, dict):
             problem = f"state entry {i!r} is not a flat index mapped to an object of keys"
             raise ValueError(BAD_FIELD.format(where=where, problem=problem))
-        decoded[int(i)] = {
-            k: _parse_entry(e, f"{where}: state {i} key {k!r}", files, int(i), k)
-            for k, e in entries.items()
-        }
+        decoded[int(i)] = _parse_entries(entries, f"{where}: state {i}", files, int(i))
     return decoded
 
 
+def _parse_entries(
+    entries: Mapping[str, Any], where: str, files: Mapping[str, Any], i: int
+) -> dict[Any, Any]:
+    """One param's entries by key: a label's ``"key"`` member is the key (version 5)."""
+    out: dict[Any, Any] = {}
+    for label, entry in entries.items():
+        if not isinstance(entry, dict):
+            problem = f"key {label!r}: the entry is not an object"
+            raise ValueError(BAD_FIELD.format(where=where, problem=problem))
+        key = decode_value(entry["key"], f"{where} key {label!r}") if "key" in entry else label
+        try:
+            if key in out:
+                raise ValueError(f"{where}: key {key!r} is listed twice")
+        except TypeError:
+            raise ValueError(f"{where}: key {label!r} is not hashable") from None
+        out[key] = _parse_entry(entry, f"{where} key {key!r}", files, i, key)
+    return out
+
+
 def _parse_entry(
-    entry: Any, where: str, files: Mapping[str, Any], i: int, key: str
+    entry: Any, where: str, files: Mapping[str, Any], i: int, key: Any
 ) -> TensorRef | PlainValue | NestedValue | PiecesValue:
     if not isinstance(entry, dict):
         raise ValueError(BAD_FIELD.format(where=where, problem="the entry is not an object"))

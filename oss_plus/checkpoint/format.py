@@ -33,7 +33,7 @@ from oss_plus.checkpoint.entries import (
 from oss_plus.checkpoint.fields import BAD_FIELD, need, need_int, need_ints, need_list, need_str
 from oss_plus.checkpoint.seal import seal
 from oss_plus.checkpoint.values import decode_value, encode_value
-from oss_plus.state.nested import holds_subclass
+from oss_plus.state.nested import NEW_IN_5, holds_subclass, tags_in
 
 __all__ = [
     "CONSOLIDATED",
@@ -64,10 +64,11 @@ __all__ = [
 #: Value of the ``format`` key of every index.
 FORMAT_NAME = "oss_plus.optimizer_checkpoint"
 #: The version this module writes, the newest it reads. Version 5 adds the checksum of the
-#: index (:mod:`oss_plus.checkpoint.seal`), which every save writes. Versions 1-4 are read
-#: as before: 2 adds tensors inside containers (:class:`NestedValue`), 3 tensors stored as
-#: pieces (:class:`PiecesValue`), 4 tensor subclasses (torchao's low-bit states in a
-#: :class:`NestedValue`); they carry no index checksum.
+#: index (:mod:`oss_plus.checkpoint.seal`), which every save writes, and what version-5
+#: state may hold (:func:`needs_version_5`: sets, views, keys other than strings). Versions
+#: 1-4 are read as before: 2 adds tensors inside containers (:class:`NestedValue`), 3
+#: tensors stored as pieces (:class:`PiecesValue`), 4 tensor subclasses (torchao's low-bit
+#: states in a :class:`NestedValue`); they carry no index checksum.
 FORMAT_VERSION = 5
 #: The versions this module reads.
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
@@ -190,7 +191,7 @@ class Index:
     save_id: str
     param_groups: list[dict[str, Any]]
     files: dict[str, dict[str, int]]
-    state: dict[int, dict[str, TensorRef | PlainValue | NestedValue | PiecesValue]]
+    state: dict[int, dict[Any, TensorRef | PlainValue | NestedValue | PiecesValue]]
     params: list[dict[str, Any]] | None = None
     optimizer: str | None = None
     world_size: int | None = None
@@ -213,7 +214,10 @@ class Index:
 
     @property
     def content_version(self) -> int:
-        """The lowest version of 1-4 that can hold this index's state (before checksums)."""
+        """The lowest version that can hold this index's state (5: sets, views, keys other
+        than strings; below 5, before checksums)."""
+        if any(needs_version_5(entries) for entries in self.state.values()):
+            return 5
         values = [v for e in self.state.values() for v in e.values()]
         kinds = {type(v) for v in values}
         if any(isinstance(v, NestedValue) and holds_subclass(v.skeleton) for v in values):
@@ -347,6 +351,11 @@ def _check_entries(state: Mapping[int, Mapping[str, Any]], version: int, where: 
                 check_pieces(entry, f"{where}: state {i} key {key!r}")
             if version < 4 and isinstance(entry, NestedValue) and holds_subclass(entry.skeleton):
                 raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
+        if version < 5 and needs_version_5(entries):
+            raise ValueError(
+                f"{where}: state {i} holds a set, a view or a non-string key, which a "
+                f"version-{version} index cannot: the index is damaged"
+            )
 
 
 def _parse_params(params: Any, where: str) -> list[dict[str, Any]] | None:
@@ -364,7 +373,21 @@ def _parse_params(params: Any, where: str) -> list[dict[str, Any]] | None:
     return params
 
 
-def _check_counts(index: Index, num_params: int, where: str) -> None:
+def needs_version_5(entries: Mapping[Any, Any]) -> bool:
+    """Whether one param's entries need format version 5: a key that is not a string, or a
+    value holding a set or frozenset, or a tensor stored as a view (its strides, or its
+    storage shared, :mod:`oss_plus.state.layout`)."""
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return True
+        if isinstance(entry, NestedValue) and tags_in(entry.skeleton) & NEW_IN_5:
+            return True
+        if isinstance(entry, PlainValue) and tags_in(encode_value(entry.value, "")) & NEW_IN_5:
+            return True
+    return False
+
+
+def _check_counts(index: Index, num_params: Any, where: str) -> None:
     flat = [i for g in index.param_groups for i in g["params"]]
     if flat != list(range(len(flat))) or num_params != len(flat):
         raise ValueError(

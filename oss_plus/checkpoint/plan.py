@@ -39,8 +39,9 @@ from oss_plus.checkpoint.format import (
     tensor_name,
 )
 from oss_plus.checkpoint.values import dtype_name, dtype_string, torch_dtype
-from oss_plus.state.index import pack_param_groups
-from oss_plus.state.nested import flatten_value
+from oss_plus.state.index import own_group_keys, pack_param_groups
+from oss_plus.state.layout import is_default_layout
+from oss_plus.state.nested import encode_key, flatten_value
 from oss_plus.state.subclass import is_plain
 
 __all__ = [
@@ -60,7 +61,7 @@ __all__ = [
 
 #: Per param: state key -> tensor (before writing), TensorRef (after), PlainValue,
 #: NestedValue or PiecesValue (holding tensors before writing, TensorRefs after).
-Entries = dict[int, dict[str, Any]]
+Entries = dict[int, dict[Any, Any]]
 #: Where a tensor is in entries: (flat index, state key, position in a NestedValue's tensors,
 #: the start of a PiecesValue's part, or -1 for a top-level tensor).
 Slot = tuple[int, str, int]
@@ -94,7 +95,7 @@ def local_pieces(optimizer: Any) -> Pieces:
     return {i: (p.start, p.end, shapes[i]) for i, p in mine.items() if p is not None}
 
 
-def split_state(states: Mapping[int, Mapping[str, Any]], pieces: Pieces | None = None) -> Entries:
+def split_state(states: Mapping[int, Mapping[Any, Any]], pieces: Pieces | None = None) -> Entries:
     """Validate per-param state and split it into tensors, :class:`PlainValue`,
     :class:`NestedValue` entries (containers that hold tensors) and :class:`PiecesValue`
     entries; the tensors are not copied.
@@ -106,8 +107,9 @@ def split_state(states: Mapping[int, Mapping[str, Any]], pieces: Pieces | None =
     is stored once).
 
     Raises:
-        TypeError: a non-string key, a dtype safetensors cannot store, a sparse tensor, or a
-            value JSON cannot store (the message names the param, the key and the place).
+        TypeError: a key that holds a tensor, a dtype safetensors cannot store, a sparse
+            tensor, or a value JSON cannot store (the message names the param, the key and
+            the place).
     """
     entries: Entries = {}
     pieces = pieces or {}
@@ -116,7 +118,7 @@ def split_state(states: Mapping[int, Mapping[str, Any]], pieces: Pieces | None =
         for key, value in states[i].items():
             where = f"optimizer state of param {i}, key {key!r}"
             if not isinstance(key, str):
-                raise TypeError(f"{where}: state keys must be strings to be saved")
+                encode_key(key, f"optimizer state of param {i}, key")
             if i in pieces:
                 start, end, shape = pieces[i]
                 if (
@@ -129,7 +131,7 @@ def split_state(states: Mapping[int, Mapping[str, Any]], pieces: Pieces | None =
                     continue
                 if start != 0:  # the param's value: stored by the first piece's rank
                     continue
-            if isinstance(value, torch.Tensor) and is_plain(value):
+            if isinstance(value, torch.Tensor) and is_plain(value) and is_default_layout(value):
                 entries[i][key] = _storable(value, where)
                 continue
             skeleton, tensors = flatten_value(value, f"of param {i}, key {key!r}")
@@ -194,7 +196,7 @@ def describe(optimizer: Any, layout: str, save_id: str) -> Index:
         {"shape": list(p.shape), "dtype": dtype_string(p.dtype), "trainable": p.requires_grad}
         for p in optimizer.flat_params()
     ]
-    groups = pack_param_groups(optimizer.param_groups)
+    groups = pack_param_groups(optimizer.param_groups, own_group_keys(optimizer.optim))
     encode_groups(groups, "param_groups")
     return Index(
         layout=layout,

@@ -90,7 +90,8 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
 #: Raised for a value that has no JSON form.
 NOT_STORABLE = (
     "{where} is a {kind} ({value!r}); a checkpoint stores tensors, None, bool, int, float, "
-    "str and lists/tuples/dicts of them: convert it to one of those"
+    "str, torch.dtype, torch.Size, lists/tuples/dicts of them and sets/frozensets of plain "
+    "values: convert it to one of those"
 )
 #: Tag of a tensor stored inline (param groups only).
 INLINE_TAG = "tensor_bytes"

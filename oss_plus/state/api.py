@@ -20,6 +20,7 @@ from oss_plus.state.consolidate import ALL_RANKS, CPU, whole_states
 from oss_plus.state.index import (
     ParamState,
     copy_hyper,
+    own_group_keys,
     pack_param_groups,
     per_element_keys,
     saved_state_by_flat_index,
@@ -168,14 +169,19 @@ class ShardedStateDict:
         if self._consolidated_copy is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
-        state_dict = {"state": state, "param_groups": pack_param_groups(self.param_groups)}
+        state_dict = {
+            "state": state,
+            "param_groups": pack_param_groups(self.param_groups, own_group_keys(self.optim)),
+        }
         return self._run_post_hooks(state_dict)
 
     def _dcp_state_dict(self, options: Any) -> dict[str, Any]:
         """``state_dict()`` as torch's ``get_*state_dict`` asked for it (``options``)."""
+        flat = bool(getattr(options, "flatten_optimizer_state_dict", False))
         if getattr(options, "full_state_dict", False):
-            return _dcp.full_state_dict(self, bool(getattr(options, "cpu_offload", False)))
-        return _dcp.sharded_state_dict(self, template=torch_callers.for_full_load())
+            cpu_offload = bool(getattr(options, "cpu_offload", False))
+            return _dcp.full_state_dict(self, cpu_offload, flat)
+        return _dcp.sharded_state_dict(self, template=torch_callers.for_full_load(), flat=flat)
 
     def _run_post_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         for post_hook in self._optimizer_state_dict_post_hooks.values():

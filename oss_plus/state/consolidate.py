@@ -30,7 +30,7 @@ from oss_plus.runtime.dist import (
     run_phase,
 )
 from oss_plus.state.index import ParamState
-from oss_plus.state.nested import flatten_value, unflatten_value
+from oss_plus.state.nested import flatten_param_state, unflatten_value
 from oss_plus.state.pieces import stitch_state
 
 __all__ = ["Transfer", "exchange_states", "whole_states", "ALL_RANKS"]
@@ -151,7 +151,7 @@ def exchange_states(
     rank = dist.get_rank(group)
     sending = [t.index for t in transfers if t.src == rank and t.index in local_states]
     mine = run_phase(
-        lambda: {i: flatten_value(local_states[i], f"state[{i}]") for i in sending}, group
+        lambda: {i: flatten_param_state(local_states[i], f"state[{i}]") for i in sending}, group
     )
     metas = _gather_metas({i: _describe(flat) for i, flat in mine.items()}, group)
 

@@ -31,11 +31,10 @@ by shard:
 * ``StateDictOptions(full_state_dict=True)``: the whole state, consolidated
   (:meth:`oss_plus.OSS.consolidate_state_dict`), on every rank; with ``cpu_offload=True``
   on global rank 0 only.
-* A tensor-subclass state value (torchao's low-bit states, :mod:`oss_plus.state.subclass`),
-  which DCP cannot save, is handed over in both forms as a dict (:func:`to_dcp_form`): its
-  inner plain tensors by path (``"codes"``, ``"scale"``, ``"qmap"``), live, so ``dcp.load``
-  fills them in place, and under :data:`SUBCLASS_KEY` its class, context and shape as JSON
-  (the bytes of a uint8 tensor: DCP's flattened form holds no strings).
+* A state value DCP cannot carry (a tensor subclass: torchao's low-bit states; a set, a
+  key that is not a string: heavyball's; a list under ``flatten_optimizer_state_dict``) is
+  handed over in both forms as a dict (:mod:`oss_plus.state.dcp_form`): its plain tensors
+  by path, live, so ``dcp.load`` fills them in place, and its JSON description.
   ``load_state_dict()`` rebuilds it (allow-listed classes only).
 """
 
@@ -52,15 +51,15 @@ import torch.distributed as dist
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.state.consolidate import ALL_RANKS
+from oss_plus.state.dcp_form import SUBCLASS_KEY, from_dcp_form, to_dcp_form
 from oss_plus.state.index import (
     ParamState,
+    own_group_keys,
     pack_param_groups,
     per_element_keys,
     validate_state_dict,
 )
-from oss_plus.state.nested import flatten_value, tensor_paths, unflatten_value
 from oss_plus.state.sharded_tensor import holds_sharded, local_piece, range_blocks, to_sharded
-from oss_plus.state.subclass import is_plain
 from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = [
@@ -74,9 +73,6 @@ __all__ = [
     "sharded_state_dict",
     "to_dcp_form",
 ]
-
-#: The key of a tensor subclass's JSON description (class, context, shape) in its DCP form.
-SUBCLASS_KEY = "oss_plus_subclass"
 
 #: How long a rank entering torch's DCP state-dict API waits for the others (None: the
 #: default of :mod:`oss_plus.runtime.arrival`).
@@ -162,65 +158,10 @@ def agreed_state(optimizer: Any) -> LocalState:
     return LocalState(optimizer, agreed=any(flags))
 
 
-# --------------------------------------------------------------------------- subclasses
-def to_dcp_form(state: ParamState, where: str) -> ParamState:
-    """``state`` with every tensor-subclass value as its DCP form: a dict of its inner plain
-    tensors by path (live: not copied) and under :data:`SUBCLASS_KEY` its JSON description,
-    as the UTF-8 bytes of a uint8 tensor (DCP's flattened form holds tensors, ints, floats and
-    dicts only).
-
-    Raises:
-        TypeError: a subclass that cannot travel (:func:`oss_plus.state.subclass.split`).
-
-    Example:
-        >>> to_dcp_form({"step": 1, "m": torch.ones(1)}, "state[0]")
-        {'step': 1, 'm': tensor([1.])}
-    """
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and not is_plain(value):
-            skeleton, tensors = flatten_value(value, f"{where}[{key!r}]")
-            text = torch.frombuffer(bytearray(json.dumps(skeleton).encode()), dtype=torch.uint8)
-            value = {SUBCLASS_KEY: text, **dict(zip(tensor_paths(skeleton), tensors))}
-        out[key] = value
-    return out
-
-
-def from_dcp_form(state: Mapping[str, Any], where: str) -> ParamState:
-    """``state`` with every DCP form of :func:`to_dcp_form` rebuilt into its subclass.
-
-    Raises:
-        ValueError: a malformed form, a missing inner tensor, or a class that is not
-            allow-listed (named).
-    """
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, Mapping) and SUBCLASS_KEY in value:
-            at = f"{where}[{key!r}]"
-            text = value[SUBCLASS_KEY]
-            if isinstance(text, torch.Tensor):
-                text = bytes(text.detach().cpu().numpy()).decode()
-            try:
-                skeleton = json.loads(text)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"{at}: the description under {SUBCLASS_KEY!r} is not valid JSON: the DCP "
-                    "checkpoint is damaged; restore it from a backup or re-save it"
-                ) from None
-            paths = tensor_paths(skeleton)
-            missing = [p for p in paths if p not in value]
-            if missing:
-                raise ValueError(
-                    f"{at}: the tensor subclass's inner tensors {missing} are missing: the DCP "
-                    "checkpoint is damaged or was saved without them; restore it or re-save it"
-                )
-            value = unflatten_value(skeleton, [value[p] for p in paths], at)
-        out[key] = value
-    return out
-
-
 # --------------------------------------------------------------------------- get / load
-def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]:
+def sharded_state_dict(
+    optimizer: Any, template: bool = False, flat: bool = False
+) -> dict[str, Any]:
     """The DCP form of ``optimizer``'s state (see the module docstring): keyed by flat index
     (torch maps the keys to FQNs), only what this rank holds, live tensors. With
     ``template`` (torch's full-state load), every param also gets placeholders of its
@@ -238,16 +179,28 @@ def sharded_state_dict(optimizer: Any, template: bool = False) -> dict[str, Any]
             mine = plan.piece(rank, i)
             held = local.get(i, {}) if mine is not None else {}
             if i not in plan.split or not held:
-                state[i] = to_dcp_form(held, f"state[{i}]")
+                state[i] = to_dcp_form(held, f"state[{i}]", flat, full=template)
                 continue
             shape, length = tuple(param.shape), mine.end - mine.start
+            piece = {
+                k for k, v in held.items() if isinstance(v, torch.Tensor) and v.shape == (length,)
+            }
+            rest = to_dcp_form(
+                {k: v for k, v in held.items() if k not in piece},
+                f"state[{i}]",
+                flat,
+                full=template,
+            )
             state[i] = {
                 k: to_sharded(v, shape, plan.pieces_of(i), rank, group)
-                if isinstance(v, torch.Tensor) and v.shape == (length,)
-                else v
                 for k, v in held.items()
+                if k in piece
             }
-        return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
+            state[i].update(rest)
+        return {
+            "state": state,
+            "param_groups": pack_param_groups(optimizer.param_groups, _group_keys(optimizer, flat)),
+        }
 
     optimizer.settle()
     result = _dist.run_phase(build, optimizer.group)
@@ -287,25 +240,44 @@ def _add_placeholders(state: dict[int, ParamState], group: Any) -> None:
                 state[int(i)].setdefault(key, _placeholder(kind))
 
 
-def _kind(value: Any) -> str | None:
-    """What :func:`_add_placeholders` stands in for ``value`` with: a dtype, a subclass's
-    DCP form (its description only: torch copies a tensor only where the template has it)."""
+def _kind(value: Any) -> Any:
+    """What :func:`_add_placeholders` stands in for ``value`` with (JSON): a dtype, a
+    subclass form's description only (torch copies a tensor only where the template has
+    it), a dict's kinds of its 0-dim and plain entries (torch sets those on every rank,
+    inside the described form too), or an empty list (torch fills the template's list)."""
     if isinstance(value, torch.Tensor):
         return str(value.dtype)
-    return SUBCLASS_KEY if isinstance(value, Mapping) and SUBCLASS_KEY in value else None
+    if isinstance(value, Mapping) and SUBCLASS_KEY in value:
+        return SUBCLASS_KEY
+    if isinstance(value, Mapping):
+        return {"dict": {k: _kind(v) for k, v in value.items() if not _per_element(v)}}
+    return "list" if isinstance(value, (list, tuple)) else None
 
 
-def _placeholder(kind: str | None) -> Any:
+def _placeholder(kind: Any) -> Any:
+    """The placeholder of :func:`_kind`: what stands for a param this rank does not hold
+    (its load drops it)."""
     if kind == SUBCLASS_KEY:
         return {SUBCLASS_KEY: torch.zeros(0, dtype=torch.uint8)}
+    if isinstance(kind, dict):
+        return {k: _placeholder(v) for k, v in kind["dict"].items()}
+    if kind == "list":
+        return []
     return torch.zeros((), dtype=getattr(torch, kind[6:])) if kind else None
+
+
+def _group_keys(optimizer: Any, flat: bool) -> list[frozenset[str]] | None:
+    """The param-group keys handed to torch: those of the inner optimizer's own
+    ``state_dict()``, or every key under ``flatten_optimizer_state_dict`` (torch's flat
+    load looks up every key of the live groups)."""
+    return None if flat else own_group_keys(optimizer.optim)
 
 
 def _per_element(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def full_state_dict(optimizer: Any, cpu_offload: bool) -> dict[str, Any]:
+def full_state_dict(optimizer: Any, cpu_offload: bool, flat: bool = False) -> dict[str, Any]:
     """The whole state (``full_state_dict=True``), on CPU: on every rank, or with
     ``cpu_offload`` on global rank 0 only (where it is in the group; else on every rank).
 
@@ -316,9 +288,12 @@ def full_state_dict(optimizer: Any, cpu_offload: bool) -> dict[str, Any]:
     to = ranks.index(0) if cpu_offload and 0 in ranks else ALL_RANKS
     optimizer.consolidate_state_dict(to)
     whole = optimizer.consolidated_state or {}
-    state = {i: to_dcp_form(whole[i], f"state[{i}]") for i in sorted(whole)}
+    state = {i: to_dcp_form(whole[i], f"state[{i}]", flat, full=True) for i in sorted(whole)}
     optimizer.drop_consolidated()
-    return {"state": state, "param_groups": pack_param_groups(optimizer.param_groups)}
+    return {
+        "state": state,
+        "param_groups": pack_param_groups(optimizer.param_groups, _group_keys(optimizer, flat)),
+    }
 
 
 def _check_whole(

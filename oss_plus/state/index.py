@@ -20,7 +20,7 @@ import torch
 
 # also for the 0.2 paths oss_plus.state.group_offsets / local_view (oss_plus._moved), until 0.4
 from oss_plus.planning.partition import group_offsets, local_view
-from oss_plus.state.nested import map_tensors
+from oss_plus.state.nested import map_storages
 from oss_plus.state.subclass import clone_tensor
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "local_groups",
     "local_state_dict",
     "local_view",
+    "own_group_keys",
     "pack_param_groups",
     "per_element_keys",
     "PER_ELEMENT_KEYS",
@@ -130,7 +131,7 @@ def local_state_dict(
         for offset, index in enumerate(members):
             if index in states:
                 state[position + offset] = {
-                    k: map_tensors(v, clone_tensor) if copy_tensors else v
+                    k: map_storages(v, clone_tensor) if copy_tensors else v
                     for k, v in states[index].items()
                 }
         position += len(members)
@@ -152,21 +153,44 @@ def place_states(
         group = group_of[id(param)]
         on_device = bool(group.get("fused") or group.get("capturable"))
         place = functools.partial(_place, device=param.device, scalars_on_device=on_device)
-        inner.state[param] = {k: map_tensors(v, place) for k, v in state.items()}
+        inner.state[param] = {k: map_storages(v, place) for k, v in state.items()}
 
 
 def _place(value: torch.Tensor, device: torch.device, scalars_on_device: bool) -> torch.Tensor:
     return value.to(device if value.dim() > 0 or scalars_on_device else "cpu")
 
 
-def pack_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def own_group_keys(inner: Any) -> list[frozenset[str]] | None:
+    """The keys each param group keeps in ``inner``'s own ``state_dict()`` when its class
+    overrides it (heavyball's drops its ``_``-prefixed keys, ``__class__`` among them),
+    else None (every key).
+
+    Example:
+        >>> own_group_keys(torch.optim.SGD([torch.zeros(1)])) is None
+        True
+    """
+    if getattr(type(inner), "state_dict", None) is torch.optim.Optimizer.state_dict:
+        return None
+    return [frozenset(g) for g in inner.state_dict()["param_groups"]]
+
+
+def pack_param_groups(
+    param_groups: Sequence[Mapping[str, Any]],
+    keys: Sequence[frozenset[str]] | None = None,
+) -> list[dict[str, Any]]:
     """Return ``param_groups`` in state-dict form: hyperparameters plus flat indices.
 
     Hyperparameters are deep-copied, so the result never aliases the optimizer's groups.
+    With ``keys`` (:func:`own_group_keys`), a group keeps only the keys listed for it.
     """
     packed, start = [], 0
-    for group in param_groups:
-        entry = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+    for g, group in enumerate(param_groups):
+        kept = keys[g] if keys is not None and g < len(keys) else None
+        entry = {
+            k: copy.deepcopy(v)
+            for k, v in group.items()
+            if k != "params" and (kept is None or k in kept)
+        }
         entry["params"] = list(range(start, start + len(group["params"])))
         start += len(group["params"])
         packed.append(entry)

@@ -27,43 +27,66 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from oss_plus.state.subclass import is_plain, rebuild, split
+from oss_plus.state.layout import VIEW_TAG, plan_spans, storage_key, view_node
+from oss_plus.state.subclass import is_plain, split
+from oss_plus.state.unflatten import (
+    NEW_IN_5,
+    SET_TAGS,
+    SUBCLASS_TAG,
+    TENSOR_TAG,
+    OnSubclass,
+    decode,
+    holds_subclass,
+    tags_in,
+    tensor_paths,
+    unflatten_state,
+    unflatten_value,
+)
 
 __all__ = [
+    "NEW_IN_5",
+    "SET_TAGS",
     "SUBCLASS_TAG",
     "TENSOR_TAG",
+    "OnSubclass",
     "decode",
     "encode",
+    "encode_key",
     "flatten_state",
+    "flatten_param_state",
     "flatten_value",
     "holds_subclass",
+    "tags_in",
+    "map_storages",
     "map_tensors",
     "tensor_paths",
     "unflatten_state",
     "unflatten_value",
 ]
 
-#: Tag of a tensor placeholder in a skeleton: ``{"tensor": n}`` is the ``n``-th tensor.
-TENSOR_TAG = "tensor"
-#: Tag of a tensor subclass (:mod:`oss_plus.state.subclass`): ``{"subclass": {"class": name,
-#: "tensors": [[attr, value], ...], "context": ..., "size": [...], "stride": [...]}}``.
-SUBCLASS_TAG = "subclass"
-
-#: Rebuilds a subclass node: ``(class name, inner by attr, context, size, stride, where)``.
-OnSubclass = Callable[[str, dict[str, Any], Any, list[int], list[int], str], Any]
+#: Spans by storage (:func:`oss_plus.state.layout.plan_spans`).
+Spans = dict[Any, tuple[int, int]]
 
 #: Raised for a value that has no JSON form.
 NOT_STORABLE = (
     "optimizer state {where} is a {kind} ({value!r}); oss_plus moves and saves tensors, None, "
-    "bool, int, float, str and lists/tuples/dicts of them: convert it to one of those"
+    "bool, int, float, str, torch.dtype, torch.Size, lists/tuples/dicts of them and "
+    "sets/frozensets of plain values: convert it to one of those"
+)
+#: Raised for a dict key or set item that holds a tensor or an unhashable container.
+NOT_A_KEY = (
+    "optimizer state {where} is a {kind} ({value!r}); oss_plus moves and saves dict keys and "
+    "set items that are None, bool, int, float, str, torch.dtype or tuples/frozensets of "
+    "them: use one of those"
 )
 
 
@@ -78,15 +101,67 @@ def flatten_value(value: Any, where: str = "value") -> tuple[Any, list[torch.Ten
             list/tuple/dict; the message names where (``where`` is the prefix).
     """
     tensors: list[torch.Tensor] = []
-    return encode(value, where, _placeholder(tensors)), tensors
+    return encode(value, where, _placeholder(tensors, _spans_of(value, where))), tensors
 
 
-def _placeholder(tensors: list[torch.Tensor]) -> Callable[[torch.Tensor, str], Any]:
-    """An ``on_tensor`` for :func:`encode`: append the tensor, return its placeholder."""
+def flatten_param_state(state: Mapping[Any, Any], where: str) -> tuple[Any, list[torch.Tensor]]:
+    """:func:`flatten_value` of one param's state dict, its keys' values flattened one by
+    one (tensor numbers run over all of them): storage sharing is kept within the value of
+    a key, as every path keeps it (:mod:`oss_plus.state.layout`).
+
+    Example:
+        >>> flatten_param_state({"m": torch.ones(1), 0: {1}}, "state[0]")[0]
+        {'dict': [['m', {'tensor': 0}], [0, {'set': [1]}]]}
+    """
+    tensors: list[torch.Tensor] = []
+    pairs = []
+    for k, v in state.items():
+        at = f"{where}[{k!r}]"
+        key = encode_key(k, f"{where} key")
+        pairs.append([key, encode(v, at, _placeholder(tensors, _spans_of(v, at)))])
+    return {"dict": pairs}, tensors
+
+
+def encode_key(key: Any, where: str) -> Any:
+    """The tagged JSON data of a state key (:func:`encode`; a tensor inside is refused).
+
+    Raises:
+        TypeError: ``key`` holds a tensor or has no JSON form.
+
+    Example:
+        >>> encode_key((1, None), "state[0] key")
+        {'tuple': [1, None]}
+    """
+    return encode(key, where, _tensor_key)
+
+
+def _tensor_key(tensor: torch.Tensor, where: str) -> Any:
+    raise TypeError(NOT_A_KEY.format(where=where, kind="Tensor", value=tensor))
+
+
+def _spans_of(value: Any, where: str) -> Spans:
+    """The spans the tensors of ``value`` need (:func:`oss_plus.state.layout.plan_spans`)."""
+    seen: list[torch.Tensor] = []
+    encode(value, where, lambda t, _: seen.append(t))
+    return plan_spans(seen)
+
+
+def _placeholder(tensors: list[torch.Tensor], spans: Spans) -> Callable[[torch.Tensor, str], Any]:
+    """An ``on_tensor`` for :func:`encode`: append the tensor, return its placeholder; a
+    tensor of ``spans`` becomes a view node over its span (appended once per storage)."""
+    numbers: dict[Any, int] = {}
 
     def placeholder(tensor: torch.Tensor, _: str) -> Any:
-        tensors.append(tensor)
-        return {TENSOR_TAG: len(tensors) - 1}
+        view = view_node(tensor, spans)
+        if view is None:
+            tensors.append(tensor)
+            return {TENSOR_TAG: len(tensors) - 1}
+        body, span = view
+        key = storage_key(tensor) if span.numel() else ("empty", len(tensors))
+        if key not in numbers:
+            numbers[key] = len(tensors)
+            tensors.append(span)
+        return {VIEW_TAG: {"of": {TENSOR_TAG: numbers[key]}, **body}}
 
     return placeholder
 
@@ -112,6 +187,17 @@ def encode(
             if is_plain(value):
                 return on_tensor(value, where)
             return _encode_subclass(value, where, walk)
+        return plain(value, where, walk)
+
+    def key(value: Any, where: str) -> Any:
+        """A dict key or set item: hashable plain values only, no tensor inside."""
+        if isinstance(value, (torch.Tensor, list, dict, set)):
+            kind = type(value).__name__
+            raise TypeError(NOT_A_KEY.format(where=where, kind=kind, value=value))
+        return plain(value, where, key)
+
+    def plain(value: Any, where: str, inner: Callable[[Any, str], Any]) -> Any:
+        """Every value but a tensor; containers hold what ``inner`` encodes."""
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, torch.dtype):
@@ -121,24 +207,29 @@ def encode(
         if isinstance(value, float):
             return {"float": value if math.isfinite(value) else repr(value)}
         if isinstance(value, (list, tuple)):
-            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            items = [inner(v, f"{where}[{i}]") for i, v in enumerate(value)]
             return items if isinstance(value, list) else {"tuple": items}
         if isinstance(value, dict):
-            pairs = []
-            for k, v in value.items():
-                if isinstance(k, (torch.Tensor, list, dict)):
-                    raise TypeError(not_storable.format(where=f"{where} key", kind="key", value=k))
-                pairs.append([walk(k, f"{where} key"), walk(v, f"{where}[{k!r}]")])
+            pairs = [[key(k, f"{where} key"), walk(v, f"{where}[{k!r}]")] for k, v in value.items()]
             return {"dict": pairs}
+        if isinstance(value, (set, frozenset)):
+            items = sorted((key(v, f"{where} item") for v in value), key=_order)
+            return {"frozenset" if isinstance(value, frozenset) else "set": items}
         try:
             return operator.index(value)  # int and integer-like scalars (numpy ints)
         except TypeError:
             pass
         if isinstance(value, numbers.Real):  # float-like scalars (numpy floats)
-            return walk(float(value), where)
+            return inner(float(value), where)
         raise TypeError(not_storable.format(where=where, kind=type(value).__name__, value=value))
 
     return walk(value, where)
+
+
+def _order(item: Any) -> str:
+    """The order of set items in a skeleton: by their JSON text (the same on every rank and
+    in every run, whatever the hash seed)."""
+    return json.dumps(item, sort_keys=True)
 
 
 def _encode_subclass(value: torch.Tensor, where: str, walk: Callable[[Any, str], Any]) -> Any:
@@ -160,112 +251,6 @@ def _encode_subclass(value: torch.Tensor, where: str, walk: Callable[[Any, str],
     return {SUBCLASS_TAG: body}
 
 
-def unflatten_value(
-    skeleton: Any,
-    tensors: Sequence[Any],
-    where: str = "value",
-    on_subclass: OnSubclass | None = None,
-) -> Any:
-    """Rebuild the value :func:`flatten_value` split (tensors are used as they are).
-
-    A subclass node is rebuilt by :func:`oss_plus.state.subclass.rebuild` (allow-listed
-    classes only), or by ``on_subclass`` when given (e.g. to describe or check it).
-
-    Raises:
-        ValueError: ``skeleton`` is not valid skeleton data, names a tensor that
-            ``tensors`` lacks, or a tensor subclass that is not allow-listed; the message
-            names where.
-    """
-
-    def tensor_at(body: Any, where: str) -> Any:
-        if not isinstance(body, int) or isinstance(body, bool):
-            raise ValueError(f"{where}: malformed tensor placeholder {body!r}")
-        if not 0 <= body < len(tensors):
-            raise ValueError(f"{where}: tensor {body} is missing (got {len(tensors)} tensors)")
-        return tensors[body]
-
-    return decode(skeleton, where, TENSOR_TAG, tensor_at, on_subclass)
-
-
-def decode(
-    data: Any,
-    where: str,
-    tensor_tag: str,
-    on_tensor: Callable[[Any, str], Any],
-    on_subclass: OnSubclass | None = None,
-) -> Any:
-    """Decode what :func:`encode` produced; ``{tensor_tag: body}`` becomes ``on_tensor(body)``,
-    a subclass node ``on_subclass(...)`` (default :func:`oss_plus.state.subclass.rebuild`).
-
-    Raises:
-        ValueError: ``data`` is not valid tagged JSON data; the message names ``where``.
-    """
-
-    def again(value: Any, at: str) -> Any:
-        return decode(value, at, tensor_tag, on_tensor, on_subclass)
-
-    if data is None or isinstance(data, (bool, int, str)):
-        return data
-    if isinstance(data, float):  # lenient: an untagged JSON float
-        return data
-    if isinstance(data, list):
-        return [decode(v, f"{where}[{i}]", tensor_tag, on_tensor) for i, v in enumerate(data)]
-    if not isinstance(data, dict) or len(data) != 1:
-        raise ValueError(f"{where}: expected a tagged value, got {data!r}")
-    ((tag, body),) = data.items()
-    if tag == tensor_tag:
-        return on_tensor(body, where)
-    if tag == "float" and isinstance(body, (int, float)) and not isinstance(body, bool):
-        return float(body)
-    if tag == "float" and body in ("inf", "-inf", "nan"):
-        return float(body)
-    if tag == "tuple" and isinstance(body, list):
-        return tuple(again(v, f"{where}[{i}]") for i, v in enumerate(body))
-    if tag == "dict" and isinstance(body, list) and all(_is_pair(kv) for kv in body):
-        try:
-            return {again(k, where): again(v, f"{where}[{k!r}]") for k, v in body}
-        except TypeError:
-            raise ValueError(f"{where}: a dict key is not hashable") from None
-    if tag == "dtype" and isinstance(body, str):
-        dtype = getattr(torch, body, None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    if tag == "size" and isinstance(body, list) and all(_is_int(s) for s in body):
-        return torch.Size(body)
-    if tag == SUBCLASS_TAG and _is_subclass_body(body):
-        inner = {attr: again(v, f"{where}.{attr}") for attr, v in body["tensors"]}
-        context = decode(body["context"], f"{where} context", tensor_tag, _no_tensor)
-        build = on_subclass or rebuild
-        return build(body["class"], inner, context, body["size"], body["stride"], where)
-    raise ValueError(f"{where}: unknown or malformed tag {tag!r} in {data!r}")
-
-
-def _is_pair(item: Any) -> bool:
-    return isinstance(item, list) and len(item) == 2
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_subclass_body(body: Any) -> bool:
-    return (
-        isinstance(body, dict)
-        and set(body) == {"class", "tensors", "context", "size", "stride"}
-        and isinstance(body["class"], str)
-        and isinstance(body["tensors"], list)
-        and all(_is_pair(kv) and isinstance(kv[0], str) for kv in body["tensors"])
-        and all(
-            isinstance(x, list) and all(_is_int(s) for s in x)
-            for x in (body["size"], body["stride"])
-        )
-    )
-
-
-def _no_tensor(body: Any, where: str) -> Any:
-    raise ValueError(f"{where}: a tensor subclass's context holds no tensors")
-
-
 def flatten_state(
     states: Mapping[int, Mapping[Any, Any]],
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -281,81 +266,50 @@ def flatten_state(
         ({'1': {'dict': [['step', 3], ['m', {'tensor': 0}]]}}, 1)
     """
     tensors: list[torch.Tensor] = []
-    on_tensor = _placeholder(tensors)
-    structure = {str(i): encode(dict(states[i]), f"state[{i}]", on_tensor) for i in sorted(states)}
+    structure = {}
+    for i in sorted(states):
+        skeleton, mine = flatten_param_state(states[i], f"state[{i}]")
+        structure[str(i)] = _renumbered(skeleton, len(tensors))
+        tensors.extend(mine)
     return structure, tensors
 
 
-def unflatten_state(
-    structure: Mapping[str, Any], tensors: Sequence[torch.Tensor]
-) -> dict[int, dict[Any, Any]]:
-    """Rebuild what :func:`flatten_state` split (flat index -> state).
-
-    Raises:
-        ValueError: a key of ``structure`` is not an index, or a skeleton is malformed.
-    """
-    states: dict[int, dict[Any, Any]] = {}
-    for key, skeleton in structure.items():
-        if not key.isdigit():
-            raise ValueError(f"state structure: key {key!r} is not a param index")
-        state = unflatten_value(skeleton, tensors, f"state[{key}]")
-        if not isinstance(state, dict):
-            raise ValueError(f"state[{key}]: expected a dict of state, got {type(state).__name__}")
-        states[int(key)] = state
-    return states
-
-
-def tensor_paths(skeleton: Any, prefix: str = "") -> list[str]:
-    """Return a readable path for every tensor of ``skeleton``, in tensor-number order.
-
-    Path parts are joined with ``/`` (dict keys by their ``str``, list positions by number),
-    e.g. ``"precond/0"``; usable as a safetensors name suffix.
-
-    Example:
-        >>> tensor_paths(flatten_value({"pre": [torch.ones(1), torch.ones(1)]})[0])
-        ['pre/0', 'pre/1']
-    """
-    found: list[tuple[int, str]] = []
-    _walk_paths(skeleton, prefix, found)
-    return [path for _, path in sorted(found)]
-
-
-def _walk_paths(skeleton: Any, path: str, found: list[tuple[int, str]]) -> None:
-    def join(part: Any) -> str:
-        return f"{path}/{part}" if path else str(part)
-
+def _renumbered(skeleton: Any, by: int) -> Any:
+    """``skeleton`` with every tensor number raised by ``by``."""
     if isinstance(skeleton, list):
-        for i, item in enumerate(skeleton):
-            _walk_paths(item, join(i), found)
-    elif isinstance(skeleton, dict) and len(skeleton) == 1:
-        ((tag, body),) = skeleton.items()
-        if tag == TENSOR_TAG:
-            found.append((body, path))
-        elif tag == "tuple":
-            _walk_paths(body, path, found)
-        elif tag == SUBCLASS_TAG and isinstance(body, dict):
-            for attr, v in body.get("tensors", ()):
-                _walk_paths(v, join(attr), found)
-        elif tag == "dict":
-            for k, v in body:
-                _walk_paths(v, join(unflatten_value(k, [])), found)
-
-
-def holds_subclass(skeleton: Any) -> bool:
-    """Whether ``skeleton`` (of :func:`flatten_value`) holds a tensor-subclass node.
-
-    Example:
-        >>> holds_subclass(flatten_value([torch.ones(1)])[0])
-        False
-    """
-    if isinstance(skeleton, list):
-        return any(holds_subclass(v) for v in skeleton)
+        return [_renumbered(v, by) for v in skeleton]
     if isinstance(skeleton, dict) and len(skeleton) == 1:
         ((tag, body),) = skeleton.items()
+        if tag == TENSOR_TAG:
+            return {tag: body + by}
         if tag == SUBCLASS_TAG:
-            return True
-        return tag in ("tuple", "dict") and holds_subclass(body)
-    return False
+            tensors = [[attr, _renumbered(v, by)] for attr, v in body["tensors"]]
+            return {tag: {**body, "tensors": tensors}}
+        if tag == VIEW_TAG:
+            return {tag: {**body, "of": _renumbered(body["of"], by)}}
+        if tag in ("tuple", "dict"):
+            return {tag: _renumbered(body, by)}
+    return skeleton
+
+
+def map_storages(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """:func:`map_tensors`, keeping the layout (:mod:`oss_plus.state.layout`): ``fn`` maps
+    the span of a view (a 1-D tensor) and every other tensor, and views are rebuilt over
+    the mapped spans, so a transposed or strided view, and views of one storage, stay so
+    through a copy or a move (``clone`` or ``to`` alone make strided views contiguous).
+
+    Example:
+        >>> moved = map_storages([torch.ones(2, 3).t()], lambda t: t.clone())
+        >>> moved[0].stride()
+        (1, 3)
+    """
+    try:
+        skeleton, tensors = flatten_value(value)
+    except TypeError:  # holds what cannot travel: mapped as it is
+        return map_tensors(value, fn)
+    if VIEW_TAG not in tags_in(skeleton):
+        return map_tensors(value, fn)
+    return unflatten_value(skeleton, [fn(t) for t in tensors])
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
