@@ -228,9 +228,11 @@ def test_the_index_needs_version_5_for_sets_views_and_keys_and_refuses_them_in_o
     files = {ref.file: {"rank": 0, "bytes": 8}}
     groups = [{"params": [0], "lr": 0.1}]
     plain = Index("consolidated", "0123456789abcdef", groups, files, {0: {"m": ref}})
-    assert plain.to_json()["format_version"] == 1
-    for state in ({0: {0: ref}}, {0: {"done": PlainValue({1, 2})}}):
+    assert plain.content_version == 1  # every save writes 5 (the index checksum)
+    keyed = TensorRef(ref.file, "state.0.0", "F32", (2,), 0)  # the name its key gives
+    for state in ({0: {0: keyed}}, {0: {"done": PlainValue({1, 2})}}):
         index = Index("consolidated", "0123456789abcdef", groups, files, state)
+        assert index.content_version == 5
         data = json.loads(index.dumps())
         assert data["format_version"] == 5
         assert Index.from_json(data, "index.json") == index

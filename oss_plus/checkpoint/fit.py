@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from oss_plus.checkpoint.format import Index
+from oss_plus.state.index import own_group_keys
 
 __all__ = ["OTHER_OPTIMIZER", "check_groups", "group_problems"]
 
@@ -89,12 +90,16 @@ def group_problems(
         and the groups completed by the class's ``__setstate__``.
     """
     cls, defaults = type(inner), dict(getattr(inner, "defaults", {}) or {})
+    own = own_group_keys(inner)  # a class's own state_dict() may drop keys (heavyball's _)
     problems, completed = [], []
     for g, saved in enumerate(groups):
         group = _filled(cls, defaults, saved)
         completed.append(group)
         mine = live[g] if g < len(live) else {}
+        kept = own[g] if own is not None and g < len(own) else None
         for key, default in defaults.items():
+            if kept is not None and key not in kept:
+                continue  # not saved by the class itself: the loading class's value stays
             if key not in group:
                 problems.append(
                     f"param group {g} has no {key!r}, a hyperparameter of {cls.__qualname__} "
