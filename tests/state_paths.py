@@ -31,8 +31,8 @@ import contextlib
 import copy
 import io
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,6 +86,8 @@ class Case:
     model: Callable[[int], torch.nn.Module] = make_model
     inputs: Callable[[int], torch.Tensor] = make_inputs
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    #: Keyword arguments of OSS (the partition rule or policy the paths run under).
+    oss: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: The case of the task running in this process (set by :func:`every_path_task`).
@@ -94,6 +96,9 @@ _CASE: list[Case] = []
 
 def train(model, opt, steps: int, start: int = 0) -> None:
     inputs = _CASE[-1].inputs if _CASE else make_inputs
+    mode = getattr(opt, "train", None)
+    if mode is not None:  # a schedule-free optimizer steps in train mode (a no-op when in it)
+        mode()
     for step in range(start, start + steps):
         opt.zero_grad()
         model(inputs(step)).pow(2).mean().backward()
@@ -120,14 +125,20 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def sharing(value) -> list[tuple[int, int]]:
-    """Which tensors of ``value`` share a storage (by first holder) and their offsets."""
+    """Which tensors of ``value`` share a storage (by first holder) and their offsets, counted
+    from the first element those tensors use (what the state paths keep: a lone view into a
+    larger buffer, pytorch_optimizer's Lamb's ``weight_norm``, comes back at offset 0 of a
+    storage of its own; docs/checkpoint_format.md, version 5)."""
     first: dict[int, int] = {}
-    pattern = []
+    found = []
     for n, t in enumerate(_tensors(value)):
         if is_plain(t) and t.numel():
             ptr = t.untyped_storage().data_ptr()
-            pattern.append((first.setdefault(ptr, n), t.storage_offset()))
-    return pattern
+            found.append((first.setdefault(ptr, n), t.storage_offset()))
+    base: dict[int, int] = {}
+    for holder, offset in found:
+        base[holder] = min(base.get(holder, offset), offset)
+    return [(holder, offset - base[holder]) for holder, offset in found]
 
 
 def same(a, b, where: str = "state") -> None:
@@ -201,7 +212,11 @@ def fresh(case: Case, group, params_of=None):
         with torch.no_grad():
             for p, q in zip(model.parameters(), params_of.parameters()):
                 p.copy_(q)
-    return model, OSS(model.parameters(), optim=cls, group=group, **kwargs)
+    opt = OSS(model.parameters(), optim=cls, group=group, **case.oss, **kwargs)
+    mode = getattr(opt, "train", None)
+    if mode is not None:  # as a user resumes a schedule-free run: torch's DCP steps it
+        mode()
+    return model, opt
 
 
 def check_resumed(name: str, model, opt, ref, case: Case) -> str:

@@ -80,41 +80,11 @@ def _layout_sgd():
     return LayoutSGD, {"lr": 0.1}
 
 
-def _soap():
-    import pytorch_optimizer
-
-    return pytorch_optimizer.SOAP, {"lr": 1e-2, "precondition_frequency": 1}
-
-
-def _heavyball_adamw():
-    import heavyball
-
-    heavyball.utils.compile_mode = None  # eager: the same state, seconds instead of minutes
-    return heavyball.AdamW, {"lr": 1e-2}
-
-
-def _heavyball_steps(state):
-    """heavyball keeps a group's ``step`` in the state of the first param its instance
-    holds (under OSS: each rank's first; the plain class loading OSS's dict keeps a stale
-    copy where it does not read it): the state without the steps, and the latest step."""
-    steps = set()
-
-    def strip(value):
-        if isinstance(value, dict):
-            if "step" in value:
-                steps.add(int(value["step"]))
-            return {k: strip(v) for k, v in value.items() if k != "step"}
-        return value
-
-    stripped = {i: strip(s) for i, s in state.items()}
-    return stripped, max(steps, default=None)
-
-
 #: The cases, with the package each needs.
+#: pytorch_optimizer's SOAP (transposed views) and heavyball's AdamW (sets, int keys) run
+#: through every path in tests/test_zoo.py, under each partition rule.
 CASES = {
     "LayoutSGD": (None, Case("LayoutSGD", _layout_sgd)),
-    "pytorch_optimizer-SOAP": ("pytorch_optimizer", Case("SOAP", _soap)),
-    "heavyball-AdamW": ("heavyball", Case("heavyball-AdamW", _heavyball_adamw, _heavyball_steps)),
 }
 
 

@@ -28,6 +28,10 @@ class Zoo:
     matrices_only: bool = False
     #: its update is elementwise (the flat rule accepts it)
     elementwise: bool = False
+    #: for the every-path harness: the state without what differs by design (see its doc)
+    normalize: Callable[[dict], Any] | None = None
+    #: runs the every-path harness (tests/test_zoo.py), which saves in train mode
+    paths: bool = True
 
 
 def _attr(module: str, name: str) -> Any:
@@ -102,7 +106,36 @@ def sf_wrapper():
 
 
 def heavyball_adamw():
+    importlib.import_module("heavyball").utils.compile_mode = None  # eager: the same state
     return _attr("heavyball", "AdamW"), {"lr": 1e-3}
+
+
+def heavyball_steps(state):
+    """heavyball keeps a group's ``step`` in the state of the first param its instance
+    holds (under OSS: each rank's first; the plain class loading OSS's dict keeps a stale
+    copy where it does not read it): the state without the steps, and the latest step."""
+    steps = set()
+
+    def strip(value):
+        if isinstance(value, dict):
+            if "step" in value:
+                steps.add(int(value["step"]))
+            return {k: strip(v) for k, v in value.items() if k != "step"}
+        return value
+
+    stripped = {i: strip(s) for i, s in state.items()}
+    return stripped, max(steps, default=None)
+
+
+def matrices_model(seed: int = 0) -> torch.nn.Module:
+    """A model of matrices only (Muon steps 2-D params only), three of them, so that every
+    one of the harness's 3 ranks owns one (torch's DCP ``full_state_dict=True`` load fails on
+    a rank that holds no state at all: docs/optimizers.md)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh(), torch.nn.Linear(16, 12, bias=False),
+        torch.nn.Tanh(), torch.nn.Linear(12, 4, bias=False),
+    )  # fmt: skip
 
 
 ZOO: dict[str, Zoo] = {
@@ -120,10 +153,12 @@ ZOO: dict[str, Zoo] = {
     "sf-AdamWScheduleFree": Zoo("schedulefree", sf_adamw, elementwise=True),
     "sf-SGDScheduleFree": Zoo("schedulefree", sf_sgd, elementwise=True),
     "sf-RAdamScheduleFree": Zoo("schedulefree", sf_radam, elementwise=True),
-    "sf-ScheduleFreeWrapper": Zoo("schedulefree", sf_wrapper),
-    "heavyball-AdamW": Zoo(
-        "heavyball", heavyball_adamw
-    ),  # elementwise eagerly; compiled: not declared
+    # the wrapper keeps its mode on itself, not in its state_dict(): a resume of a save made
+    # in train mode moves the params again, the plain wrapper's as OSS's (docs/optimizers.md);
+    # its mode switches and round trips from eval mode are tests/test_modes.py's
+    "sf-ScheduleFreeWrapper": Zoo("schedulefree", sf_wrapper, paths=False),
+    # elementwise when eager, but compiled per shape by default: not declared
+    "heavyball-AdamW": Zoo("heavyball", heavyball_adamw, normalize=heavyball_steps),
 }
 
 
@@ -135,7 +170,7 @@ def available(need: str | None) -> bool:
     return importlib.util.find_spec(need) is not None
 
 
-def params(names=None, elementwise=None):
+def params(names=None, elementwise=None, paths=None):
     """pytest params of the zoo's names (skipped when the package is missing)."""
     return [
         pytest.param(
@@ -146,6 +181,7 @@ def params(names=None, elementwise=None):
         for name, z in ZOO.items()
         if (names is None or name in names)
         and (elementwise is None or z.elementwise == elementwise)
+        and (paths is None or z.paths == paths)
     ]
 
 

@@ -336,8 +336,11 @@ def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
         for i, key in enumerate(keys):
             if plan.piece(rank, i) is None or not saved.get(key):
                 continue
-            values = {k: local_piece(v) for k, v in from_dcp_form(saved[key], key).items()}
-            states[i] = {k: v for k, v in values.items() if v is not None}
+            values = from_dcp_form(saved[key], key)
+            pieces = {k: local_piece(v) for k, v in values.items()}  # None: no piece here
+            states[i] = {
+                k: v for k, v in pieces.items() if v is not None or values[k] is None
+            }  # a state value that is None stays (StableAdamW's kahan_comp)
         packed, start = [], 0
         for g in groups:
             packed.append({**g, "params": list(range(start, start + len(g["params"])))})

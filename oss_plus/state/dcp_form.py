@@ -56,15 +56,18 @@ VALUE_KEY = "oss_plus_value"
 
 
 def dcp_native(value: Any, flat: bool = False, full: bool = False) -> bool:
-    """Whether torch's state-dict API carries ``value`` as it is: under
-    ``flatten_optimizer_state_dict=True`` (``flat``) no list, tuple, string or None; under
+    """Whether torch's state-dict API carries ``value`` as it is: never None (a DCP save
+    drops it: pytorch_optimizer's StableAdamW keeps ``kahan_comp=None``); under
+    ``flatten_optimizer_state_dict=True`` (``flat``) no list, tuple or string; under
     ``full_state_dict=True`` (``full``) no tuple (torch's full load makes it a list); under
     either no empty container (SOAP's ``[[]]`` for a bias: torch keeps leaves only).
 
     Example:
-        >>> dcp_native([torch.ones(1), None]), dcp_native([torch.ones(1)], flat=True)
-        (True, False)
+        >>> dcp_native([torch.ones(1), 2]), dcp_native(None), dcp_native([torch.ones(1)], flat=True)
+        (True, False, False)
     """
+    if value is None:
+        return False
     if isinstance(value, torch.Tensor):
         return is_plain(value)
     if isinstance(value, (bool, int, float)):
@@ -75,7 +78,7 @@ def dcp_native(value: Any, flat: bool = False, full: bool = False) -> bool:
         return all(isinstance(k, str) and dcp_native(v, flat, full) for k, v in value.items())
     if flat:
         return False
-    if value is None or isinstance(value, str):
+    if isinstance(value, str):
         return True
     kinds = (list,) if full else (list, tuple)
     return type(value) in kinds and all(dcp_native(v, flat, full) for v in value)
