@@ -240,6 +240,21 @@ def test_the_dcp_form_carries_0_dim_tensors_in_its_description():
     same(back, {0: {"step": torch.tensor(7), "m": torch.ones(2)}})
 
 
+def test_a_damaged_dcp_description_is_refused_naming_the_value():
+    """Issue 50, item 5: oss_plus's own metadata inside a DCP checkpoint (the description of a
+    form) carries its CRC-32; every single-bit flip of its JSON text is refused, naming the
+    param and the key, never decoded into another value."""
+    form = to_dcp_form({0: {"done": {1, 2}, "m": torch.ones(2)}}, "fc.weight")
+    number = form["0"][VALUE_KEY]
+    raw = number.to_bytes((number.bit_length() + 7) // 8, "big")
+    for bit in range(8, 8 * len(raw)):  # after the leading 1 byte
+        flipped = int.from_bytes(raw, "big") ^ (1 << (8 * len(raw) - 1 - bit))
+        damaged = {"0": {**form["0"], VALUE_KEY: flipped}}
+        with pytest.raises(ValueError, match=r"fc.weight\['0'\].*DCP checkpoint is damaged"):
+            from_dcp_form(damaged, "fc.weight")
+    same(from_dcp_form(form, "fc.weight"), {0: {"done": {1, 2}, "m": torch.ones(2)}})
+
+
 # ------------------------------------------------------------------ refused on every rank
 class Opaque:
     """An object with no JSON form."""

@@ -15,9 +15,11 @@ dict of plain tensors by path plus a JSON description (:mod:`oss_plus.state.nest
   ``flatten_optimizer_state_dict`` (SOAP's eigenbases), a tuple under ``full_state_dict``
   (torch's full load would make it a list): its tensors by path (a view as its
   span, :mod:`oss_plus.state.layout`) and under :data:`VALUE_KEY` the key and skeleton as
-  JSON, held as a Python int (its bytes, big-endian, after a 1 byte), which DCP saves as a
-  plain value and hands back whole whatever the loading template held (a uint8 tensor
-  would have to keep its length: a set that grew would not load).
+  JSON with the CRC-32 of its own text (``crc32``, checked before anything in it is used: a
+  damaged description is refused, naming the param and key), held as a Python int (its
+  bytes, big-endian, after a 1 byte), which DCP saves as a plain value and hands back
+  whole whatever the loading template held (a uint8 tensor would have to keep its length:
+  a set that grew would not load).
 
 DCP writes tensor values into the tensors of the loading optimizer's own state (torch's
 template, made by a step at lr 0), so a tensor that DCP carries natively keeps the layout
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +115,7 @@ def to_dcp_form(
             skeleton, tensors = flatten_value(value, at)
             scalars = _scalars(tensors)
             described = {"key": tagged, "skeleton": skeleton, "scalars": scalars}
+            described["crc32"] = zlib.crc32(json.dumps(described).encode())
             raw = json.dumps(described).encode()
             paths = tensor_paths(skeleton)
             out[_name(key, tagged, state, out)] = {
@@ -192,9 +196,15 @@ def _description(number: Any, where: str) -> dict[str, Any]:
         described = json.loads(raw[1:].decode()) if raw[:1] == b"\x01" else None
     except (TypeError, ValueError, OverflowError):
         described = None
-    if not isinstance(described, dict) or not {"key", "skeleton"} <= set(described):
+    if not isinstance(described, dict) or not {"key", "skeleton", "crc32"} <= set(described):
         raise ValueError(
             f"{where}: a malformed {VALUE_KEY} description of a state value: the DCP "
+            "checkpoint is damaged; restore it from a backup or re-save it"
+        )
+    crc = described.pop("crc32")
+    if crc != zlib.crc32(json.dumps(described).encode()):
+        raise ValueError(
+            f"{where}: the {VALUE_KEY} description of a state value fails its CRC-32: the DCP "
             "checkpoint is damaged; restore it from a backup or re-save it"
         )
     return described
