@@ -179,6 +179,18 @@ def test_the_probe_finds_optimizers_that_read_across_params(name):
     assert "allow_cross_param=True" in found.message()
 
 
+def test_the_probe_s_optimizers_are_marked():
+    made = []
+
+    def recording(groups, **kw):
+        made.append(torch.optim.SGD(groups, **kw))
+        return made[-1]
+
+    coupling.probe(recording, {"lr": 0.1}, [{"params": list(_model().parameters()), "lr": 0.1}],
+                   coupling._hyper)  # fmt: skip
+    assert len(made) == 4 and all(opt.oss_plus_probe for opt in made)
+
+
 def test_the_probe_leaves_the_training_s_random_generator_alone():
     before = torch.random.get_rng_state()
     _probe(CROSS["NoisySGD"][1])

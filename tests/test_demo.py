@@ -50,6 +50,7 @@ def demo_task(ctx, nap: bool):
         return [p.numel() for group in opt.param_groups for p in group["params"]]
 
     # the reference holds every param; OSS's inner Adam only this rank's
+    made = [opt for opt in made if not getattr(opt, "oss_plus_probe", False)]  # the probe's
     ref = max(made, key=lambda opt: sum(numels(opt)))
     (inner,) = [opt for opt in made if opt is not ref]
     log["tensor_bytes"] = {

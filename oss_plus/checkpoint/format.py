@@ -23,7 +23,6 @@ from oss_plus.checkpoint.entries import (
     PiecesValue,
     PlainValue,
     TensorRef,
-    check_pieces,
     decode_state,
     encode_state,
     nested_names,
@@ -33,7 +32,8 @@ from oss_plus.checkpoint.entries import (
 from oss_plus.checkpoint.fields import BAD_FIELD, need, need_int, need_ints, need_list, need_str
 from oss_plus.checkpoint.seal import seal
 from oss_plus.checkpoint.values import decode_value, encode_value
-from oss_plus.state.nested import NEW_IN_5, holds_subclass, tags_in
+from oss_plus.checkpoint.versions import check_entries, needs_version_5
+from oss_plus.state.nested import holds_subclass
 
 __all__ = [
     "CONSOLIDATED",
@@ -322,7 +322,7 @@ class Index:
             )
         state = decode_state(need(data, "state", where, dict), where, files)
         version = data["format_version"]
-        _check_entries(state, version, where)
+        check_entries(state, version, where)
         index = cls(
             layout=layout,
             save_id=need_str(data, "save_id", where),
@@ -341,23 +341,6 @@ class Index:
         return index
 
 
-def _check_entries(state: Mapping[int, Mapping[str, Any]], version: int, where: str) -> None:
-    """Check that each entry's kind exists in ``version`` and that pieces cover their tensor."""
-    for i, entries in state.items():
-        for key, entry in entries.items():
-            if isinstance(entry, PiecesValue):
-                if version < 3:
-                    raise ValueError(f"{where}: a 'pieces' entry in a version-2 index")
-                check_pieces(entry, f"{where}: state {i} key {key!r}")
-            if version < 4 and isinstance(entry, NestedValue) and holds_subclass(entry.skeleton):
-                raise ValueError(f"{where}: a tensor subclass in a version-{version} index")
-        if version < 5 and needs_version_5(entries):
-            raise ValueError(
-                f"{where}: state {i} holds a set, a view or a non-string key, which a "
-                f"version-{version} index cannot: the index is damaged"
-            )
-
-
 def _parse_params(params: Any, where: str) -> list[dict[str, Any]] | None:
     """Check every entry of ``params``: a shape (list of ints), a dtype string, a bool."""
     if params is None:
@@ -371,20 +354,6 @@ def _parse_params(params: Any, where: str) -> list[dict[str, Any]] | None:
         need_str(info, "dtype", at)
         need(info, "trainable", at, bool)
     return params
-
-
-def needs_version_5(entries: Mapping[Any, Any]) -> bool:
-    """Whether one param's entries need format version 5: a key that is not a string, or a
-    value holding a set or frozenset, or a tensor stored as a view (its strides, or its
-    storage shared, :mod:`oss_plus.state.layout`)."""
-    for key, entry in entries.items():
-        if not isinstance(key, str):
-            return True
-        if isinstance(entry, NestedValue) and tags_in(entry.skeleton) & NEW_IN_5:
-            return True
-        if isinstance(entry, PlainValue) and tags_in(encode_value(entry.value, "")) & NEW_IN_5:
-            return True
-    return False
 
 
 def _check_counts(index: Index, num_params: Any, where: str) -> None:

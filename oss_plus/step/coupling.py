@@ -123,6 +123,7 @@ def _run(
             opt = build([{**options, "params": [p]} for (options, _, _), p in zip(groups, params)])
         except Exception as exc:  # noqa: BLE001 - the real construction reports it
             raise _NotBuilt from exc
+        opt.oss_plus_probe = True  # type: ignore[attr-defined]  # what counts instances can tell
         train = getattr(opt, "train", None)
         if callable(train):  # schedule-free optimizers step in train mode only
             train()
