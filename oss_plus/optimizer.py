@@ -14,7 +14,7 @@ Collaborators (checkpoints, overlap, gradient sharding, the adapters) use only t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,9 +29,8 @@ from oss_plus.planning.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
-from oss_plus.state.index import copy_hyper
+from oss_plus.state.index import ParamState, copy_hyper
 from oss_plus.step import params as _params
-from oss_plus.step.contract import ShardContract
 from oss_plus.step.coupling import refuse_cross_param
 from oss_plus.step.driver import StepDriver
 from oss_plus.step.modes import Modes
@@ -46,16 +45,7 @@ from oss_plus.wire.sync import BucketSync
 __all__ = ["NOT_CONSOLIDATED", "OSS", "PLANS_DIFFER"]
 
 
-class OSS(
-    PlanViews,
-    ShardContract,
-    ScalerContract,
-    PieceGrads,
-    ShardedClip,
-    ShardedStateDict,
-    Modes,
-    Optimizer,
-):
+class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, Modes, Optimizer):
     """Shards the state of any ``torch.optim`` optimizer over the ranks of a process group.
 
     Every rank owns about ``1/world_size`` of the parameters (whole tensors, or pieces of
@@ -70,44 +60,32 @@ class OSS(
             including one without global rank 0.
         broadcast_buffer_size: ignored; kept for fairscale compatibility.
         broadcast_fp16: send parameters as fp16 on the wire (a plain attribute, read at every
-            step). Floating params wider than the wire travel rounded; every replica, the
-            owner's too, holds the same rounded values, the owner keeps the exact ones in
-            a main copy (``docs/amp.md``).
-        force_broadcast_object: ignored; kept for fairscale compatibility (state never
-            travels as a pickled object here).
+            step): every replica holds the same rounded values, the owner keeps the exact
+            ones in a main copy (``docs/amp.md``).
+        force_broadcast_object: ignored (state never travels as a pickled object here).
         partition_rule: ``"fairscale"`` (default: given order, frozen params weigh 1),
-            ``"torch"`` (largest first, frozen params weigh their size), both keeping every
-            param whole, or ``"flat"``: per (device, dtype) the trainable params are laid
-            back to back and cut into ``world_size`` equal ranges, so every rank holds 1/N
-            of the state at any N and a param may be split across ranks (elementwise
-            optimizers only, see :func:`oss_plus.elementwise` and ``docs/partition.md``),
-            or ``"muon"``: whole params, balanced on the Newton-Schulz FLOPs of
-            ``torch.optim.Muon`` (largest first; ``oss-plus plan --optimizer muon``).
-            Overrides the rule of ``shard_policy``.
+            ``"torch"`` (largest first, frozen params weigh their size) or ``"muon"``
+            (largest Newton-Schulz cost first), each keeping params whole, or ``"flat"``: the
+            trainable params back to back, cut into ``world_size`` equal ranges (a param may
+            be split; elementwise optimizers only, :func:`oss_plus.elementwise`). See
+            ``docs/partition.md``. Overrides the rule of ``shard_policy``.
         broadcast_dtype: keyword-only wire dtype, ``torch.float16`` or ``torch.bfloat16``;
             ``broadcast_fp16=True`` takes precedence and means ``torch.float16``.
         shard_policy: keyword-only :class:`~oss_plus.planning.plan.ShardPolicy` (partition rule,
             local order, bucket layout, transport); how the adapters customise the core.
         replicate_group: keyword-only, for hybrid sharding: the ranks holding the same shard
-            as this one (one per shard group ``group``; :func:`oss_plus.hybrid_groups` builds
-            both). The state is sharded within ``group`` and replicated across this group;
-            the core plans and syncs within ``group`` only. Checkpoints are written by one
-            replica set, gradient sharding sums across it (``docs/hybrid.md``). The groups
-            must tile the world (checked with one all_gather over WORLD: construct on every
-            rank of the world).
+            as this one (:func:`oss_plus.hybrid_groups` builds both). The state is sharded
+            within ``group`` and replicated across this group (``docs/hybrid.md``); the
+            groups must tile the world (one all_gather over WORLD: construct on every rank).
         collective_state_dict: keyword-only, a plain attribute: :meth:`state_dict` without a
             prior consolidation here is collective (frameworks calling it on every rank;
             ``docs/integrations.md``).
         auto_refresh: keyword-only, a plain attribute read at every step (default True):
-            :meth:`step` follows ``requires_grad`` changes (repartitions on every rank, as
-            :meth:`refresh_trainable`) and re-allocated params (``module.to()``; lays them
-            out again, as :meth:`install_sync`); :mod:`oss_plus.wire.changes` says what is read
-            when. With False, call those two methods yourself after such a change.
-        allow_cross_param: keyword-only (default False): at world size > 1 the constructor
-            refuses an optimizer whose update of one param reads the others (Prodigy,
-            D-Adaptation: a probe on small copies, :mod:`oss_plus.step.coupling`); True
-            shards it anyway (the optimizer reduces over the ranks itself, or the drift is
-            accepted: ``docs/optimizers.md``).
+            :meth:`step` follows ``requires_grad`` changes (as :meth:`refresh_trainable`) and
+            re-allocated params (as :meth:`install_sync`; what is read when:
+            :mod:`oss_plus.wire.changes`). With False, call those two yourself.
+        allow_cross_param: keyword-only: shard an optimizer whose update of one param reads
+            the others (refused by default: :mod:`oss_plus.step.coupling`, ``docs/optimizers.md``).
         **defaults: hyperparameters for ``optim`` (``lr=...``). Keys ``optim`` does not take
             but fixes to the same value are dropped (``OSS(opt.param_groups, type(opt),
             **opt.defaults)`` with AdamW); any other unknown keyword raises TypeError.
@@ -117,11 +95,10 @@ class OSS(
         TypeError: ``params`` holds a non-tensor, ``optim`` is not an optimizer class, or a
             keyword ``optim`` does not take (raised on every rank).
         ValueError: empty or sparse params, a param listed twice, an optimizer whose update
-            is not per parameter (``torch.optim.LBFGS``), ``partition_rule="flat"`` with an
-            optimizer not known to be elementwise, an optimizer whose update of one param
-            reads the others (unless ``allow_cross_param``), or the ranks of ``group`` hold
-            different models (raised on every rank). Whatever the inner optimizer's
-            constructor raises on any rank is raised on every rank too.
+            is not per parameter (``torch.optim.LBFGS``) or reads other params (unless
+            ``allow_cross_param``), ``partition_rule="flat"`` with an optimizer not known to
+            be elementwise, or different models on the ranks of ``group`` (on every rank, as
+            whatever the inner optimizer's constructor raises on any rank).
 
     Example:
         >>> opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
@@ -173,14 +150,7 @@ class OSS(
             taken, fixed = _params.split_defaults(optim, defaults)
             specs = _params.param_specs(self.param_groups, self._policy.aligned)
             plan = make_plan(specs, self.world_size, self._policy)
-            refuse_cross_param(
-                optim,
-                taken,
-                self.param_groups,
-                self.group,
-                allow_cross_param,
-                replicated=replicate_group is not None,
-            )
+            refuse_cross_param(optim, taken, self)
             self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
@@ -205,6 +175,101 @@ class OSS(
     def policy(self) -> ShardPolicy:
         """The :class:`~oss_plus.planning.plan.ShardPolicy` this optimizer was built with."""
         return self._policy
+
+    def export_local_state(self) -> dict[int, ParamState]:
+        """Return this rank's optimizer state keyed by flat index.
+
+        The per-param dicts are new; their tensors are the live ones (not copies): copy them
+        before the next :meth:`step` if they must outlive it. For a param the plan splits
+        (``plan.split``), the state is this rank's piece (``plan.piece(rank, index)``):
+        tensors shaped like the param hold the piece's elements, 1-D
+        (:func:`oss_plus.state.pieces.stitch_state` makes the whole state of the pieces).
+
+        Under a compressed wire, the exact values of what this rank sends (its main
+        copies, ``docs/amp.md``) are the entry :data:`oss_plus.wire.main.region.MAIN_KEY`
+        (``"oss_plus.main"``) of each param's state, shaped like the param (its piece).
+        """
+        return self._replanner.export_state()
+
+    def import_local_state(
+        self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Load the states of the params this rank owns (flat index -> state).
+
+        Entries for params owned elsewhere are ignored; tensors are copied, never aliased,
+        and cast by the inner optimizer's own policy (dtype, device, CPU/device ``step``).
+        The states are those of whole params: of a param the plan splits, this rank keeps
+        its piece (a state whose tensors already have the shape of this rank's piece,
+        1-D, as :meth:`export_local_state` gives them, is taken as it is). With
+        ``param_groups`` (state-dict form), their hyperparameters are loaded first. An
+        ``"oss_plus.main"`` entry (exact values, :meth:`export_local_state`) goes to the
+        main copies, never to the inner optimizer. Not collective.
+
+        Raises:
+            ValueError: an ``"oss_plus.main"`` entry whose size is not its param's.
+        """
+        self._replanner.import_state(states, param_groups)
+        self.drop_consolidated()
+
+    def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
+        """Adopt ``plan`` (default: plan again by the policy) and move state to new owners.
+
+        Every param whose owner changes (or whose pieces change, under the flat rule) has its
+        optimizer state sent to the new owner(s); the inner optimizer is rebuilt over the new
+        shard and the sync layout rebuilt. When no owner, piece or local order changes, the
+        inner optimizer is kept as it is. With ``pin``,
+        later automatic repartitions (``refresh_trainable``, ``add_param_group``) keep this
+        plan's owners (the overlap with DDP assigns params by DDP bucket).
+
+        Raises:
+            ValueError: ``plan`` does not fit the param groups or the world size, or the
+                ranks hold different plans (e.g. ``requires_grad`` changed on some ranks
+                only); raised on every rank, before any state moves.
+
+        .. warning:: Collective: call on every rank of ``group`` with the same plan (a call
+            on some ranks only raises there, :mod:`oss_plus.runtime.arrival`).
+        """
+        with _arrival.entry(self.group, "repartition()"):
+            self._replanner.adopt(plan, pin)  # settles the last step first
+        self.drop_consolidated()
+
+    @property
+    def sync(self) -> BucketSync:
+        """The object that synchronises parameters after the local step."""
+        return self._replanner.sync
+
+    sync_buckets = sync  #: alias of :attr:`sync`
+
+    def install_sync(self, make: Callable[[], Any] | None = None) -> None:
+        """Release the parameter sync (params get their own storage back), then install
+        ``make()`` (default: the policy's layout) for the next steps.
+
+        The object needs ``sync(wire_dtype, error)`` (raising on every rank when ``error``
+        is given on any rank), ``is_intact()`` and ``release()``; a
+        :class:`oss_plus.wire.sync.BucketSync` is launched instead, its status checked at the
+        next check (:meth:`settle`). The last step is settled first; the consolidated
+        state is dropped.
+
+        Under the flat rule the cut depends on the params' dtypes and devices: when they
+        changed (``module.double()``), the default rebuild repartitions first.
+
+        .. warning:: Collective when ``make`` is: call on every rank of ``group``.
+        """
+        self._replanner.install(make)  # settles the last step first
+        self.drop_consolidated()
+
+    @property
+    def local_shard(self) -> LocalShard:
+        """This rank's :class:`~oss_plus.step.shard.LocalShard`: the plan, the tensors its inner
+        optimizer steps (whole params, or the pieces of split ones) and that optimizer."""
+        return self._shard
+
+    def trainability_changed(self) -> bool:
+        """Whether ``requires_grad`` changed since the plan was made, as :meth:`step` reads it
+        (:mod:`oss_plus.wire.changes`: a frozen param unfrozen at once, a freeze within a few
+        calls; never at world size 1 nor with ``auto_refresh`` False). Call it on every rank
+        alike: each call reads the next slice of the trainable params."""
+        return self.auto_refresh and self._replanner.changes.trainability_changed()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step the local shard, then broadcast every shard to every rank.

@@ -329,8 +329,9 @@ def test_at_one_rank_nothing_is_refused(pool):
 
 
 def test_allow_cross_param_must_be_a_bool():
+    oss = mock.Mock(allow_cross_param="yes", group=None, param_groups=[], replicate_group=None)
     with pytest.raises(TypeError, match="allow_cross_param must be False"):
-        coupling.refuse_cross_param(torch.optim.SGD, {}, [], None, "yes")
+        coupling.refuse_cross_param(torch.optim.SGD, {}, oss)
 
 
 def test_a_constructor_that_refuses_the_probe_s_params_is_left_to_the_real_construction(caplog):
@@ -338,3 +339,28 @@ def test_a_constructor_that_refuses_the_probe_s_params_is_left_to_the_real_const
     with caplog.at_level(logging.WARNING, logger="oss_plus.step.coupling"):
         assert _probe(lambda: (torch.optim.Muon, {"lr": 1e-2})) is None  # a bias among them
     assert caplog.text == ""
+
+
+class PlainAdamW(torch.optim.AdamW):
+    """A subclass: it may change the update, so it is probed."""
+
+
+def probed_task(ctx):
+    calls = []
+    real = coupling.probe
+
+    def counting(constructor, *args):
+        calls.append(getattr(constructor, "__name__", "?"))
+        return real(constructor, *args)
+
+    coupling._verdicts.clear()
+    with mock.patch.object(coupling, "probe", counting):
+        for cls in (torch.optim.AdamW, torch.optim.SGD, PlainAdamW):
+            OSS(_model().parameters(), optim=cls, group=ctx.group, lr=0.1)
+    return calls
+
+
+def test_torch_s_own_classes_are_not_probed_their_subclasses_are(pool):
+    assert pool.run(probed_task, world_size=2, timeout=60) == [["PlainAdamW"]] * 2
+    assert not coupling.needs_probe(torch.optim.Adam)
+    assert coupling.needs_probe(PlainAdamW) and coupling.needs_probe(GlobalNormSGD)

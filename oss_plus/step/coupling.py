@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -230,6 +231,44 @@ def probe(
     return Coupling(name, None)
 
 
+#: torch.optim's own classes, whose update of every param reads that param alone (their
+#: foreach and fused kernels too): not probed, so building ``OSS`` over them costs nothing
+#: more. Exact classes only: a subclass may read across params and is probed.
+TORCH_PER_PARAM: frozenset[type] = frozenset(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "Adagrad",
+        "Adadelta",
+        "ASGD",
+        "SparseAdam",
+        "Adafactor",
+        "Muon",
+    )  # fmt: skip
+    if hasattr(torch.optim, name)
+)
+
+
+def needs_probe(constructor: Any) -> bool:
+    """Whether :func:`check` probes ``constructor``: anything but :data:`TORCH_PER_PARAM`
+    (a ``functools.partial`` of one of those is unwrapped).
+
+    Example:
+        >>> needs_probe(torch.optim.AdamW), needs_probe(type("MyAdamW", (torch.optim.AdamW,), {}))
+        (False, True)
+    """
+    while isinstance(constructor, functools.partial):
+        constructor = constructor.func
+    return constructor not in TORCH_PER_PARAM
+
+
 #: Verdicts already reached, by constructor, hyperparameters and probe shapes (a construction
 #: with the same optimizer and model probes once per process).
 _verdicts: dict[tuple[Any, ...], Coupling | None] = {}
@@ -296,24 +335,22 @@ FLAG_NOT_WORLD = (
 
 
 def refuse_cross_param(
-    constructor: Callable[..., Optimizer],
-    defaults: dict[str, Any],
-    param_groups: Sequence[dict[str, Any]],
-    group: Any,
-    allow: Any,
-    *,
-    replicated: bool = False,
+    constructor: Callable[..., Optimizer], defaults: dict[str, Any], oss: Any
 ) -> None:
-    """The check :class:`oss_plus.OSS` runs at construction: nothing at world size 1 (nothing
-    is sharded) or with ``allow`` True, else :func:`check` on the global groups. An
-    optimizer told to reduce over the ranks itself (``fsdp_in_use=True``, prodigyopt's and
-    dadaptation's flag) needs ``allow`` and the default group (its all-reduce's group).
+    """The check :class:`oss_plus.OSS` runs at construction, from its public attributes
+    (``param_groups``, ``group``, ``allow_cross_param``, ``replicate_group``): nothing at
+    world size 1 (nothing is sharded), with ``allow_cross_param`` True or for torch.optim's
+    own classes (:func:`needs_probe`), else :func:`check` on the global groups. An optimizer
+    told to reduce over the ranks itself (``fsdp_in_use=True``, prodigyopt's and
+    dadaptation's flag) needs ``allow_cross_param`` and the default group (its all-reduce's).
 
     Raises:
-        TypeError: ``allow`` is not a bool.
+        TypeError: ``allow_cross_param`` is not a bool.
         ValueError: the optimizer's update of one param reads the others, or ``fsdp_in_use``
-            is set without ``allow`` or over other ranks than the shards'.
+            is set without ``allow_cross_param`` or over other ranks than the shards'.
     """
+    allow, group, param_groups = oss.allow_cross_param, oss.group, oss.param_groups
+    replicated = oss.replicate_group is not None
     if not isinstance(allow, bool):
         raise TypeError(BAD_ALLOW.format(value=allow))
     world_size = dist.get_world_size(group)
@@ -331,7 +368,7 @@ def refuse_cross_param(
             )
             wrong = "every replica's shard" if replicated else "the other ranks' params too"
             raise ValueError(FLAG_NOT_WORLD.format(name=name, where=where, wrong=wrong))
-    if allow:
+    if allow or not needs_probe(constructor):
         return
     check(constructor, defaults, param_groups, _hyper)
 
