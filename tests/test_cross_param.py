@@ -150,8 +150,14 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-def _groups(params):
-    return [{"params": list(params)}]
+def _lockstep(pairs, steps: int) -> None:
+    """Train each (model, optimizer) pair on the same batches, step by step."""
+    for step in range(steps):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        for m, o in pairs:
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
 
 
 def _probe(factory, only_2d=False):
@@ -267,12 +273,7 @@ def allowed_task(ctx, name, flag):
     with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
         opt = OSS(model.parameters(), optim=cls, group=ctx.group, allow_cross_param=True,
                   **kwargs)  # fmt: skip
-        for step in range(8):
-            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
-            for m, o in ((ref_model, ref), (model, opt)):
-                o.zero_grad()
-                m(x).pow(2).mean().backward()
-                o.step()
+        _lockstep(((ref_model, ref), (model, opt)), 8)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     ref_flat = torch.cat([p.detach().flatten() for p in ref_model.parameters()])
     return (flat - ref_flat).abs().max().item(), flat, float(opt.param_groups[0]["d"])
@@ -314,12 +315,7 @@ def one_rank_task(ctx):
     ref_model, model = _model(), _model()
     ref = pytorch_optimizer.Prodigy(ref_model.parameters(), lr=1.0)
     opt = OSS(model.parameters(), optim=pytorch_optimizer.Prodigy, group=ctx.group, lr=1.0)
-    for step in range(4):
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
-        for m, o in ((ref_model, ref), (model, opt)):
-            o.zero_grad()
-            m(x).pow(2).mean().backward()
-            o.step()
+    _lockstep(((ref_model, ref), (model, opt)), 4)
     return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
 
 
@@ -347,14 +343,14 @@ class PlainAdamW(torch.optim.AdamW):
 
 def probed_task(ctx):
     calls = []
-    real = coupling.probe
+    real = coupling._probe
 
     def counting(constructor, *args):
         calls.append(getattr(constructor, "__name__", "?"))
         return real(constructor, *args)
 
     coupling._verdicts.clear()
-    with mock.patch.object(coupling, "probe", counting):
+    with mock.patch.object(coupling, "_probe", counting):
         for cls in (torch.optim.AdamW, torch.optim.SGD, PlainAdamW):
             OSS(_model().parameters(), optim=cls, group=ctx.group, lr=0.1)
     return calls

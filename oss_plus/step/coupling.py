@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from oss_plus.state.index import NOT_HYPER
+from oss_plus.step.pieces import unwrap_partial
 
 __all__ = ["CROSS_PARAM", "Coupling", "PROBE_STEPS", "check", "probe", "refuse_cross_param"]
 
@@ -196,7 +196,15 @@ def probe(
         The :class:`Coupling` found, or None when there are fewer than two trainable params or
         the optimizer's step failed on the probe (logged once per class).
     """
-    chosen = _chosen(param_groups, hyper)
+    return _probe(constructor, defaults, _chosen(param_groups, hyper))
+
+
+def _probe(
+    constructor: Callable[..., Optimizer],
+    defaults: dict[str, Any],
+    chosen: Sequence[tuple[dict[str, Any], torch.Tensor]],
+) -> Coupling | None:
+    """:func:`probe` on the params :func:`_chosen` picked."""
     if len(chosen) < 2:
         return None
     runs = [
@@ -264,9 +272,7 @@ def needs_probe(constructor: Any) -> bool:
         >>> needs_probe(torch.optim.AdamW), needs_probe(type("MyAdamW", (torch.optim.AdamW,), {}))
         (False, True)
     """
-    while isinstance(constructor, functools.partial):
-        constructor = constructor.func
-    return constructor not in TORCH_PER_PARAM
+    return unwrap_partial(constructor) not in TORCH_PER_PARAM
 
 
 #: Verdicts already reached, by constructor, hyperparameters and probe shapes (a construction
@@ -307,7 +313,7 @@ def check(
     if key is not None and key in _verdicts:
         found = _verdicts[key]
     else:
-        found = probe(constructor, defaults, param_groups, hyper)
+        found = _probe(constructor, defaults, chosen)
         if key is not None and len(_verdicts) < _MAX_VERDICTS:
             _verdicts[key] = found
     if found is not None and found.coupled:

@@ -37,6 +37,7 @@ __all__ = [
     "PieceTargets",
     "elementwise",
     "is_elementwise",
+    "unwrap_partial",
 ]
 
 #: ``torch.optim`` classes whose update of every element reads only that element's gradient,
@@ -101,7 +102,8 @@ def elementwise(cls: type) -> type:
     return cls
 
 
-def _unwrap(optim: Any) -> Any:
+def unwrap_partial(optim: Any) -> Any:
+    """``optim`` without the ``functools.partial`` layers around it (a class, usually)."""
     while isinstance(optim, functools.partial):
         optim = optim.func
     return optim
@@ -113,7 +115,7 @@ def is_elementwise(optim: Any) -> bool:
 
     Subclasses are not: a subclass may change the update (LAMB derives from Adam in places).
     """
-    cls = _unwrap(optim)
+    cls = unwrap_partial(optim)
     return cls in ELEMENTWISE or _qualified(cls) in ELEMENTWISE_NAMES
 
 
@@ -125,7 +127,7 @@ def not_elementwise_message(optim: Any) -> str:
     """The :data:`NOT_ELEMENTWISE` message for ``optim``."""
     names = [c.__name__ for c in ELEMENTWISE] + [n.rsplit(".", 1)[1] for n in ELEMENTWISE_NAMES]
     known = ", ".join(sorted(names))
-    name = getattr(_unwrap(optim), "__name__", repr(optim))
+    name = getattr(unwrap_partial(optim), "__name__", repr(optim))
     return NOT_ELEMENTWISE.format(known=known, name=name)
 
 
