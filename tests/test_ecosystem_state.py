@@ -34,6 +34,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from state_paths import same, same_params
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -42,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from oss_plus import OSS
 from oss_plus.checkpoint import load_checkpoint, save_checkpoint
-from oss_plus.state.subclass import is_plain
 
 SAVED, MORE = 3, 2
 #: torch DCP's state-dict options the saves and loads go through, by checkpoint name.
@@ -123,36 +123,6 @@ def train(model, opt, steps: int, start: int = 0) -> None:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-
-
-def same(a, b, where: str = "state") -> None:
-    """Exactly the same value: containers, plain values, and tensors of the same class,
-    dtype and shape whose values (a subclass: its context and every inner tensor) are equal."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, (where, a, b)
-        if is_plain(a):
-            assert torch.equal(a, b), where
-            return
-        attrs, context = a.__tensor_flatten__()
-        assert (attrs, context) == b.__tensor_flatten__(), where
-        for attr in attrs:
-            same(getattr(a, attr), getattr(b, attr), f"{where}.{attr}")
-    elif isinstance(a, dict):
-        assert list(a) == list(b), (where, list(a), list(b))
-        for key in a:
-            same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for n, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{n}]")
-    else:
-        assert a == b, (where, a, b)
-
-
-def same_params(model, ref) -> None:
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(p, q), name
 
 
 def reference(case: str):
