@@ -1,5 +1,6 @@
 """Fixtures and markers shared by ``tests/`` and ``compat/``: one distributed worker pool per
-session, the ``portable`` and ``exactness`` subsets, and reproducible BLAS for the suite."""
+test process, the ``portable`` and ``exactness`` subsets, reproducible BLAS for the suite, and
+how many test processes ``-n auto`` starts."""
 
 from __future__ import annotations
 
@@ -87,6 +88,20 @@ def _listed(node: str, entries: tuple[str, ...]) -> bool:
     return any(node == entry or node.startswith(entry + "::") for entry in entries)
 
 
+#: The most test processes ``-n auto`` starts (pyproject.toml's addopts): each one keeps a pool
+#: of 4 gloo workers (about 300 MB each) and runs tests that start up to 4 more processes.
+MAX_TEST_PROCESSES = 8
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one test process per core this process may run on, at most
+    :data:`MAX_TEST_PROCESSES`."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(1, min(cores, MAX_TEST_PROCESSES))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the tests of :data:`PORTABLE` and :data:`EXACTNESS` (a file, or a test of a file
     and its parameters); under ``OSS_PLUS_NATIVE_BLAS=1`` skips those that need reproducible
@@ -104,7 +119,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def pool() -> Iterator[WorkerPool]:
-    """A pool of 4 gloo workers shared by the whole test session (tests/ and compat/)."""
+    """A pool of 4 gloo workers shared by every test of this test process (tests/ and compat/;
+    under ``-n``, each of pytest-xdist's processes has its own)."""
     workers = WorkerPool(world_size=4)
     yield workers
     workers.close()
