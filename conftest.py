@@ -1,6 +1,5 @@
 """Fixtures and markers shared by ``tests/`` and ``compat/``: one distributed worker pool per
-test process, the ``portable`` and ``exactness`` subsets, reproducible BLAS for the suite, and
-how many test processes ``-n auto`` starts."""
+test process, the ``portable`` and ``exactness`` subsets, and reproducible BLAS for the suite."""
 
 from __future__ import annotations
 
@@ -86,20 +85,6 @@ ROOT = Path(__file__).parent
 
 def _listed(node: str, entries: tuple[str, ...]) -> bool:
     return any(node == entry or node.startswith(entry + "::") for entry in entries)
-
-
-#: The most test processes ``-n auto`` starts (pyproject.toml's addopts): each one keeps a pool
-#: of 4 gloo workers (about 300 MB each) and runs tests that start up to 4 more processes.
-MAX_TEST_PROCESSES = 8
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one test process per core this process may run on, at most
-    :data:`MAX_TEST_PROCESSES`."""
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core
-    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-    return max(1, min(cores, MAX_TEST_PROCESSES))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
