@@ -150,8 +150,8 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             taken, fixed = _params.split_defaults(optim, defaults)
             specs = _params.param_specs(self.param_groups, self._policy.aligned)
             plan = make_plan(specs, self.world_size, self._policy)
-            refuse_cross_param(optim, taken, self)
             self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)
+            refuse_cross_param(optim, taken, self)  # after the real construction's own errors
             _params.check_fixed_defaults(self.optim, fixed)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by check_same_model
             error = exc

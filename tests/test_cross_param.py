@@ -87,17 +87,22 @@ PER_PARAM = {
     "lion_pytorch": ("lion_pytorch", lambda: (_lion(), {"lr": 1e-4}), False),
 }
 CROSS = {
-    "GlobalNormSGD": (None, lambda: (GlobalNormSGD, {"lr": 0.1}), "a param's update changed"),
+    "GlobalNormSGD": (
+        None,
+        lambda: (GlobalNormSGD, {"lr": 0.1}),
+        "the value of param 0 is computed from param 0 and param 1 (at probe step 1; they "
+        "first meet in aten.stack)",
+    ),
     "NoisySGD": (None, lambda: (NoisySGD, {"lr": 0.1}), "draws random numbers"),
-    "po-Prodigy": ("pytorch_optimizer", lambda: (_po("Prodigy"), {"lr": 1.0}), "'d'"),
-    "po-DAdaptAdam": ("pytorch_optimizer", lambda: (_po("DAdaptAdam"), {"lr": 1.0}), "'d'"),
-    "prodigyopt": ("prodigyopt", lambda: (_prodigy(), {"lr": 1.0}), "'d'"),
-    "dadaptation-Adam": ("dadaptation", lambda: (_dadapt("DAdaptAdam"), {"lr": 1.0}), "'d'"),
-    "dadaptation-SGD": ("dadaptation", lambda: (_dadapt("DAdaptSGD"), {"lr": 1.0}), "'d'"),
+    "po-Prodigy": ("pytorch_optimizer", lambda: (_po("Prodigy"), {"lr": 1.0}), "param 0 and param 1"),
+    "po-DAdaptAdam": ("pytorch_optimizer", lambda: (_po("DAdaptAdam"), {"lr": 1.0}), "param 0 and param 1"),
+    "prodigyopt": ("prodigyopt", lambda: (_prodigy(), {"lr": 1.0}), "param 0 and param 1"),
+    "dadaptation-Adam": ("dadaptation", lambda: (_dadapt("DAdaptAdam"), {"lr": 1.0}), "param 0 and param 1"),
+    "dadaptation-SGD": ("dadaptation", lambda: (_dadapt("DAdaptSGD"), {"lr": 1.0}), "param 0 and param 1"),
     "dadaptation-Lion": (
         "dadaptation",
         lambda: (_dadapt("DAdaptLion"), {"lr": 1.0}),
-        "'numerator_weighted'",
+        "param 0 and param 1",
     ),
 }
 
@@ -194,7 +199,9 @@ def test_the_probe_s_optimizers_are_marked():
 
     coupling.probe(recording, {"lr": 0.1}, [{"params": list(_model().parameters()), "lr": 0.1}],
                    coupling._hyper)  # fmt: skip
-    assert len(made) == 4 and all(opt.oss_plus_probe for opt in made)
+    # three traced runs (one group; the other order in two; with a closure), four of the
+    # value witness (both orders, with and without the other param)
+    assert len(made) == 7 and all(opt.oss_plus_probe for opt in made)
 
 
 def test_the_probe_leaves_the_training_s_random_generator_alone():
@@ -203,11 +210,24 @@ def test_the_probe_leaves_the_training_s_random_generator_alone():
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
-def test_a_probe_that_cannot_step_logs_and_does_not_refuse(caplog):
-    coupling._warned.discard("NeedsClosure")
-    with caplog.at_level(logging.WARNING, logger="oss_plus.step.coupling"):
-        assert _probe(lambda: (NeedsClosure, {"lr": 0.1})) is None
-    assert "could not check whether NeedsClosure" in caplog.text
+def test_a_step_that_needs_a_closure_gets_one():
+    found = _probe(lambda: (NeedsClosure, {"lr": 0.1}))
+    assert found is not None and not found.coupled, found
+
+
+class NeverSteps(torch.optim.SGD):
+    def step(self, closure=None):
+        raise RuntimeError("NeverSteps cannot step")
+
+
+def test_what_cannot_step_the_probe_is_refused_with_each_way_tried():
+    found = _probe(lambda: (NeverSteps, {"lr": 0.1}))
+    assert found is not None and found.coupled and found.difference is None
+    message = found.message()
+    assert message.startswith("oss_plus cannot show that NeverSteps updates each param")
+    for way in ("gradients set before it", "a closure", "gradients that carry their graph"):
+        assert f"{way} (RuntimeError: NeverSteps cannot step)" in message
+    assert "allow_cross_param=True" in message
 
 
 def test_the_verdict_is_kept_per_optimizer_and_shapes():
@@ -220,9 +240,9 @@ def test_the_verdict_is_kept_per_optimizer_and_shapes():
     groups = [{"params": list(_model().parameters()), "lr": 0.1}]
     for _ in range(3):
         coupling.check(counting, {"lr": 0.1}, groups, coupling._hyper)
-    assert len(calls) == 4  # one probe: two orders, with and without the other param
+    assert len(calls) == 7  # one probe (test_the_probe_s_optimizers_are_marked)
     coupling.check(counting, {"lr": 0.2}, groups, coupling._hyper)  # other hyperparameters
-    assert len(calls) == 8
+    assert len(calls) == 14
 
 
 # ------------------------------------------------------------------ OSS, on every rank
@@ -330,11 +350,12 @@ def test_allow_cross_param_must_be_a_bool():
         coupling.refuse_cross_param(torch.optim.SGD, {}, oss)
 
 
-def test_a_constructor_that_refuses_the_probe_s_params_is_left_to_the_real_construction(caplog):
-    coupling._warned.discard("Muon")
-    with caplog.at_level(logging.WARNING, logger="oss_plus.step.coupling"):
-        assert _probe(lambda: (torch.optim.Muon, {"lr": 1e-2})) is None  # a bias among them
-    assert caplog.text == ""
+def test_a_constructor_that_refuses_the_probe_s_params_is_refused_with_its_error():
+    found = _probe(lambda: (torch.optim.Muon, {"lr": 1e-2}))  # a bias among them
+    assert found is not None and found.coupled
+    assert "its constructor refused the probe's copies of param 0 and param 1 (ValueError: " in (
+        found.message()
+    )
 
 
 class PlainAdamW(torch.optim.AdamW):

@@ -5,17 +5,30 @@ That is the unsharded algorithm exactly when the update of every param reads onl
 param's gradient, state and hyperparameters. Optimizers that size their step from sums over
 every param (Prodigy's and D-Adaptation's ``d``), or that normalise by a norm over all of them,
 would run a different algorithm on each rank, silently. No list of class names can know every
-such optimizer, so :func:`probe` asks the optimizer itself: it builds the user's optimizer
-(the same constructor and hyperparameters) over two small copies of the model's params, and
-again over each copy alone, steps each a few times on the same gradients, and compares the
-copies bit for bit. A per-param optimizer gives the same values with the other param present
-or not; an optimizer that reads across params does not.
+such optimizer, so :func:`probe` asks the optimizer itself, with two witnesses
+(:mod:`oss_plus.step.probe_runs` runs them):
+
+1. **Where every value comes from** (:mod:`oss_plus.step.provenance`): the user's optimizer
+   (the same constructor and hyperparameters) is stepped over small copies of two of the
+   model's params, in one group and in two, in both orders, with gradients that warm up, then
+   cross any clipping threshold, then shrink, while every op is traced. Its update is shown
+   to be per param when no param, state value, param-group value or state kept for no param
+   holds a value computed from another param, no value computed from two params is read on
+   the host (``.item()``, ``float()``, ``bool()``, a comparison), and no random generator's
+   draws reach two params. This does not depend on the size of a coupling nor on when it
+   first moves a value: a sum over the params is seen at the first step that computes it.
+2. **The values**: the same optimizer over each copy alone and over both, compared bit for
+   bit (the params and the group values), in both orders.
+
+Anything that cannot be shown is refused, with its reason: a step that raises on the probe
+(with gradients set before it and a closure, and again with gradients that carry their
+graph), a constructor that refuses the probe's params, a probe that fails. The refusal names
+``allow_cross_param=True`` as the way out.
 
 The probe runs at construction, before any param changes, on tensors the user never sees;
-it draws no number from the global random generators that the training sees (they are
-forked and reseeded alike for every run, so an optimizer that draws random numbers per param
-compares equal), and a step therefore costs nothing: :func:`oss_plus.OSS.step` is unchanged.
-Its cost is measured in ``docs/optimizers.md``.
+it draws no number from the global random generators that the training sees, and a step
+therefore costs nothing: :func:`oss_plus.OSS.step` is unchanged. Its cost is measured in
+``docs/optimizers.md``.
 """
 
 from __future__ import annotations
@@ -32,16 +45,37 @@ from torch.optim import Optimizer
 
 from oss_plus.state.index import NOT_HYPER
 from oss_plus.step.pieces import unwrap_partial
+from oss_plus.step.probe_runs import (
+    MODES,
+    NotBuilt,
+    NotStepped,
+    ProbeParam,
+    Schedule,
+    traced,
+    witness,
+)
+from oss_plus.step.provenance import Finding
 
-__all__ = ["CROSS_PARAM", "Coupling", "PROBE_STEPS", "check", "probe", "refuse_cross_param"]
+__all__ = [
+    "CROSS_PARAM",
+    "Coupling",
+    "TRACE_STEPS",
+    "UNSHOWN",
+    "WITNESS_STEPS",
+    "check",
+    "probe",
+    "refuse_cross_param",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Steps of each probe run: D-Adaptation's and Prodigy's group values differ from the second
-#: step on (their first numerators are zero), their params from the third.
-PROBE_STEPS = 3
-#: The largest size of a probe tensor along each dimension (shapes keep the params' ndim).
-PROBE_DIM = 6
+#: Steps of each traced run: warm-ups (a step-size estimate that starts moving late, a
+#: coupling switched on at step 10), large gradients, small ones (:class:`Schedule`).
+TRACE_STEPS = 12
+#: Steps of each run of the value witness.
+WITNESS_STEPS = 12
+#: How much larger than the others the middle third of the gradients is.
+LARGE = 1e4
 
 #: Raised, on every rank, for an optimizer whose update of one param reads the others.
 CROSS_PARAM = (
@@ -52,98 +86,72 @@ CROSS_PARAM = (
     "(docs/optimizers.md); to accept the drift, pass allow_cross_param=True; else use {name} "
     "without oss_plus"
 )
+#: Raised, on every rank, for an optimizer the probe cannot show to be per param.
+UNSHOWN = (
+    "oss_plus cannot show that {name} updates each param from that param alone: {why}. "
+    "Sharded, it might drift silently from the unsharded optimizer, so it is refused. To "
+    "shard it anyway, pass allow_cross_param=True to OSS (docs/optimizers.md); else use "
+    "{name} without oss_plus"
+)
 #: What differed, for an optimizer whose step draws random numbers (stochastic rounding).
 RANDOM = (
     "its step draws random numbers, and which numbers a param gets depends on the params "
     "stepped before it"
 )
-#: Logged (once per class) when the probe could not step the optimizer.
-PROBE_FAILED = (
-    "oss_plus could not check whether %s reads across params (its step on probe tensors "
-    "raised %s: %s); if its update of one param reads the others, sharding it is not exact. "
-    "allow_cross_param=True skips this check"
-)
-
-_warned: set[str] = set()
-
-
-class _NotBuilt(Exception):
-    """The optimizer's constructor refused the probe's params."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Coupling:
-    """What the probe found: the first difference, or None when the runs agreed.
+    """What the probe found.
 
     Attributes:
         name: the optimizer's class name.
-        difference: what differed, in words (None: per param, as far as the probe sees).
+        difference: what read across params, in words (None: shown per param, or unshown).
+        unshown: why per param could not be shown (None: it was, or a coupling was found).
     """
 
     name: str
     difference: str | None
+    unshown: str | None = None
 
     @property
     def coupled(self) -> bool:
-        """Whether the update of one param read another."""
-        return self.difference is not None
+        """Whether the optimizer is refused: its update of one param read another, or
+        that it does not could not be shown."""
+        return self.difference is not None or self.unshown is not None
 
     def message(self) -> str:
-        """The :data:`CROSS_PARAM` message."""
-        return CROSS_PARAM.format(name=self.name, what=self.difference)
+        """The :data:`CROSS_PARAM` or :data:`UNSHOWN` message."""
+        if self.difference is not None:
+            return CROSS_PARAM.format(name=self.name, what=self.difference)
+        return UNSHOWN.format(name=self.name, why=self.unshown)
 
 
-def _probe_tensor(like: torch.Tensor, seed: int) -> torch.Tensor:
-    shape = tuple(min(d, PROBE_DIM) for d in like.shape)
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(shape, generator=gen, dtype=torch.float32)
-    return values.to(device=like.device, dtype=like.dtype)
+def _names(names: Sequence[str], which: Sequence[int]) -> str:
+    said = [names[i] for i in which]
+    return " and ".join([", ".join(said[:-1]), said[-1]] if len(said) > 2 else said)
 
 
-def _grads(like: torch.Tensor, seed: int) -> list[torch.Tensor]:
-    """A gradient of one direction with a little noise per step: the params then move
-    steadily, so the step-size estimates of Prodigy and D-Adaptation grow from the second
-    step on (their numerators sum ``grad . (p0 - p)``, which random directions cancel)."""
-    base = _probe_tensor(like, seed * 1000)
-    return [base + 0.1 * _probe_tensor(like, seed * 1000 + s) for s in range(1, PROBE_STEPS + 1)]
+def describe(finding: Finding, names: Sequence[str]) -> str:
+    """A :class:`~oss_plus.step.provenance.Finding` in words (the params by ``names``)."""
+    at = f"at probe step {finding.step}"
+    who = _names(names, finding.origins)
+    meet = f"; they first meet in {finding.via}" if finding.via else ""
+    if finding.kind == "random":
+        return f"{RANDOM}: the draws of {finding.where} reach {who}, {at}"
+    if finding.kind == "host":
+        return (
+            f"a value computed from {who} is read on the host by {finding.where} ({at}{meet}): "
+            "each rank would read it from its own shard"
+        )
+    return f"{finding.where} is computed from {who} ({at}{meet})"
 
 
-def _run(
-    build: Callable[[list[dict[str, Any]]], Optimizer],
-    groups: Sequence[tuple[dict[str, Any], torch.Tensor, list[torch.Tensor]]],
-    seed: int = 0,
-) -> tuple[torch.Tensor, dict[str, Any], str]:
-    """Step an optimizer over ``groups`` (options, initial value, grads); return the first
-    param's value and its group's options after the steps, and the optimizer's class name."""
-    params = [torch.nn.Parameter(init.clone()) for _, init, _ in groups]
-    # the training's generators untouched; eager (heavyball and torchao compile their steps:
-    # the question is the same either way, and compiling for the probe's shapes costs seconds)
-    with torch.random.fork_rng(devices=_devices(params)), _eager():
-        torch.manual_seed(seed)
-        try:
-            opt = build([{**options, "params": [p]} for (options, _, _), p in zip(groups, params)])
-        except Exception as exc:  # noqa: BLE001 - the real construction reports it
-            raise _NotBuilt from exc
-        opt.oss_plus_probe = True  # type: ignore[attr-defined]  # what counts instances can tell
-        train = getattr(opt, "train", None)
-        if callable(train):  # schedule-free optimizers step in train mode only
-            train()
-        for s in range(PROBE_STEPS):
-            for p, (_, _, grads) in zip(params, groups):
-                p.grad = grads[s].clone()
-            opt.step()
-    return params[0].detach().clone(), dict(opt.param_groups[0]), type(opt).__name__
-
-
-def _eager() -> Any:
-    """``torch.compile``'d functions run eagerly inside (``torch.compiler.set_stance``, public
-    since torch 2.6)."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
-def _devices(params: Sequence[torch.Tensor]) -> list[Any]:
-    return sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point and a.element_size() in (2, 4, 8):
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+    return torch.equal(a, b)
 
 
 def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
@@ -164,15 +172,19 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
 
 def _chosen(
     param_groups: Sequence[dict[str, Any]], hyper: Callable[[dict[str, Any]], dict[str, Any]]
-) -> list[tuple[dict[str, Any], torch.Tensor]]:
-    """The first two trainable params, each with its group's hyperparameters."""
-    found = []
+) -> list[ProbeParam]:
+    """The first two trainable params, each with its group's hyperparameters and a name."""
+    found: list[ProbeParam] = []
+    index = 0
     for group in param_groups:
-        for p in group["params"]:
+        names = group.get("param_names") or []
+        for i, p in enumerate(group["params"]):
             if p.requires_grad:
-                found.append((hyper(group), p))
+                name = f"param {index}" + (f" ({names[i]!r})" if i < len(names) else "")
+                found.append(ProbeParam(hyper(group), p, name, 2 * len(found) + 1))
                 if len(found) == 2:
                     return found
+            index += 1
     return found
 
 
@@ -182,19 +194,20 @@ def probe(
     param_groups: Sequence[dict[str, Any]],
     hyper: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> Coupling | None:
-    """Step copies of two of the params with and without each other; compare bit for bit.
+    """Trace and compare copies of two of the params (see the module).
 
     Args:
         constructor: builds the inner optimizer (``optim`` of :class:`oss_plus.OSS`).
         defaults: its keyword arguments.
         param_groups: the global groups; the probe copies the shapes, dtypes and devices of
-            the first two trainable params (shrunk to :data:`PROBE_DIM` per dimension) and
-            their groups' hyperparameters.
+            the first two trainable params (at most
+            :data:`~oss_plus.step.probe_runs.PROBE_DIM` per dimension) and their groups'
+            hyperparameters.
         hyper: a group's hyperparameters (without its params).
 
     Returns:
-        The :class:`Coupling` found, or None when there are fewer than two trainable params or
-        the optimizer's step failed on the probe (logged once per class).
+        The :class:`Coupling` found (refused when :attr:`Coupling.coupled`), or None when
+        there are fewer than two trainable params (nothing to read across).
     """
     return _probe(constructor, defaults, _chosen(param_groups, hyper))
 
@@ -202,41 +215,93 @@ def probe(
 def _probe(
     constructor: Callable[..., Optimizer],
     defaults: dict[str, Any],
-    chosen: Sequence[tuple[dict[str, Any], torch.Tensor]],
+    chosen: Sequence[ProbeParam],
 ) -> Coupling | None:
     """:func:`probe` on the params :func:`_chosen` picked."""
     if len(chosen) < 2:
         return None
-    runs = [
-        (options, _probe_tensor(p, 2 * i + 1), _grads(p, 2 * i + 2))
-        for i, (options, p) in enumerate(chosen)
-    ]
 
     def build(groups: list[dict[str, Any]]) -> Optimizer:
         return constructor(groups, **defaults)
 
     name = getattr(constructor, "__name__", type(constructor).__name__)
     try:
-        for first, second in ((runs[0], runs[1]), (runs[1], runs[0])):
-            together, group_together, name = _run(build, [first, second])
-            alone, group_alone, _ = _run(build, [first])
-            what = _first_difference(group_together, group_alone)
-            if not torch.equal(together, alone):
-                if not torch.equal(alone, _run(build, [first], seed=1)[0]):
-                    return Coupling(name, RANDOM)
-                gap = (together.double() - alone.double()).abs().max().item()
-                where = f"a param's update changed by up to {gap:.3g} with another param present"
-                return Coupling(name, f"{where}; {what}" if what else where)
-            if what is not None:
-                return Coupling(name, what)
-    except _NotBuilt:  # the optimizer refuses these params (Muon and a bias): the real
-        return None  # construction raises that, on every rank
-    except Exception as exc:  # noqa: BLE001 - a failing probe must not refuse the optimizer
-        if name not in _warned:
-            _warned.add(name)
-            logger.warning(PROBE_FAILED, name, type(exc).__name__, exc)
-        return None
-    return Coupling(name, None)
+        return _verdict(build, list(chosen), name)
+    except NotBuilt as exc:
+        why = f"its constructor refused the probe's copies of {_names([m.name for m in chosen], [0, 1])} ({exc})"
+        return Coupling(name, None, why)
+    except Exception as exc:  # noqa: BLE001 - what cannot be shown is refused, with the reason
+        return Coupling(name, None, f"the probe failed ({type(exc).__name__}: {exc})")
+
+
+#: How each mode's run is said when it raised.
+_MODE_WORDS = {
+    "plain": "gradients set before it",
+    "closure": "a closure",
+    "graph": "gradients that carry their graph",
+}
+
+
+def _traced_mode(
+    build: Callable[[list[dict[str, Any]]], Optimizer], chosen: list[ProbeParam]
+) -> tuple[str, list[Finding], str] | str:
+    """The first run that steps (:data:`~oss_plus.step.probe_runs.MODES` in order): its mode,
+    findings and class name; or why none stepped."""
+    failed = []
+    for mode in MODES:
+        try:
+            findings, cls = traced(build, chosen, Schedule.of(TRACE_STEPS, LARGE), mode, True)
+        except NotStepped as exc:
+            failed.append(f"{_MODE_WORDS[mode]} ({exc})")
+            continue
+        return mode, findings, cls
+    return "its step raised on the probe's tensors, with " + "; with ".join(failed)
+
+
+def _verdict(
+    build: Callable[[list[dict[str, Any]]], Optimizer], chosen: list[ProbeParam], name: str
+) -> Coupling:
+    names = [m.name for m in chosen]
+    first = _traced_mode(build, chosen)
+    if isinstance(first, str):
+        return Coupling(name, None, first)
+    mode, findings, name = first
+    if not findings:  # the other order, each in its own group, from the large gradients on
+        swapped = [chosen[1], chosen[0]]
+        large = Schedule((LARGE,) * (TRACE_STEPS // 2) + (1.0,) * (TRACE_STEPS // 2))
+        findings, _ = traced(build, swapped, large, mode, False)
+        names = [names[1], names[0]]
+    if not findings and mode == "plain":  # a training loop may pass a closure
+        names = [m.name for m in chosen]
+        with contextlib.suppress(NotStepped):  # a step that cannot take one never gets one
+            findings, _ = traced(build, chosen, Schedule.of(TRACE_STEPS, LARGE), "closure", True)
+    if findings:
+        return Coupling(name, describe(findings[0], names))
+    return Coupling(name, _witness(build, chosen, mode))
+
+
+def _witness(
+    build: Callable[[list[dict[str, Any]]], Optimizer], chosen: list[ProbeParam], mode: str
+) -> str | None:
+    """The value witness: each param stepped with the other present and alone, compared
+    bit for bit; what differed, or None."""
+    schedule = Schedule.of(WITNESS_STEPS, LARGE)
+    for first, second in ((chosen[0], chosen[1]), (chosen[1], chosen[0])):
+        together, group_together = witness(build, [first, second], schedule, mode)
+        alone, group_alone = witness(build, [first], schedule, mode)
+        what = _first_difference(group_together, group_alone)
+        if not _same_bits(together, alone):
+            if not _same_bits(alone, witness(build, [first], schedule, mode, seed=1)[0]):
+                return RANDOM
+            gap = (together.double() - alone.double()).abs().max().item()
+            where = (
+                f"{first.name}'s update changed by up to {gap:.3g} with {second.name} present "
+                "(the values alone: the trace did not follow how)"
+            )
+            return f"{where}; {what}" if what else where
+        if what is not None:
+            return what
+    return None
 
 
 #: torch.optim's own classes, whose update of every param reads that param alone (their
@@ -288,7 +353,7 @@ def _key(constructor: Any, defaults: dict[str, Any], chosen: Sequence[Any]) -> t
     return (
         constructor,
         plain(defaults),
-        tuple((plain(h), tuple(p.shape), p.dtype, str(p.device)) for h, p in chosen),
+        tuple((plain(m.options), tuple(m.like.shape), m.like.dtype, str(m.like.device)) for m in chosen),
     )
 
 
