@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from oss_plus.state.index import NOT_HYPER
+from oss_plus.step import probe_runs
 from oss_plus.step.pieces import unwrap_partial
 from oss_plus.step.probe_runs import (
     MODES,
@@ -248,7 +249,7 @@ def _traced_mode(
     """The first run that steps (:data:`~oss_plus.step.probe_runs.MODES` in order): its mode,
     findings and class name; or why none stepped."""
     failed = []
-    for mode in MODES:
+    for mode in (m for m in MODES if m == "plain" or m in probe_runs.CHANNELS):
         try:
             findings, cls = traced(build, chosen, Schedule.of(TRACE_STEPS, LARGE), mode, True)
         except NotStepped as exc:
@@ -266,17 +267,20 @@ def _verdict(
     if isinstance(first, str):
         return Coupling(name, None, first)
     mode, findings, name = first
-    if not findings:  # the other order, each in its own group, from the large gradients on
+    if not findings:  # the other order, each in its own group, from the large gradients on,
+        # with a closure where the step takes one (a training loop may pass one)
         swapped = [chosen[1], chosen[0]]
-        large = Schedule((LARGE,) * (TRACE_STEPS // 2) + (1.0,) * (TRACE_STEPS // 2))
-        findings, _ = traced(build, swapped, large, mode, False)
         names = [names[1], names[0]]
-    if not findings and mode == "plain":  # a training loop may pass a closure
-        names = [m.name for m in chosen]
-        with contextlib.suppress(NotStepped):  # a step that cannot take one never gets one
-            findings, _ = traced(build, chosen, Schedule.of(TRACE_STEPS, LARGE), "closure", True)
+        large = Schedule((LARGE,) * (TRACE_STEPS // 2) + (1.0,) * (TRACE_STEPS // 2))
+        second = "closure" if mode == "plain" and "closure" in probe_runs.CHANNELS else mode
+        try:
+            findings, _ = traced(build, swapped, large, second, False)
+        except NotStepped:  # a step that cannot take a closure never gets one
+            findings, _ = traced(build, swapped, large, mode, False)
     if findings:
         return Coupling(name, describe(findings[0], names))
+    if "witness" not in probe_runs.CHANNELS:
+        return Coupling(name, None)
     return Coupling(name, _witness(build, chosen, mode))
 
 

@@ -32,12 +32,18 @@ from torch.optim import Optimizer
 
 from oss_plus.step.provenance import Finding, Tracer, origins_of_value, params_in
 
-__all__ = ["MODES", "PROBE_DIM", "ProbeParam", "Schedule", "NotBuilt", "traced", "witness"]
+__all__ = ["CHANNELS", "MODES", "PROBE_DIM", "ProbeParam", "Schedule", "NotBuilt", "traced", "witness"]
 
 #: The largest size of a probe tensor along each dimension (shapes keep the params' ndim).
 PROBE_DIM = 6
 #: How the gradients reach the step, tried in this order.
 MODES = ("plain", "closure", "graph")
+#: What the probe looks at (tests remove one at a time to show that each is needed): where a
+#: traced value must not come from other params (``"param"``, ``"state"``, ``"group"``),
+#: host reads (``"host"``), random draws (``"random"``), the runs with a closure and with
+#: gradients that carry their graph (``"closure"``, ``"graph"``), the value witness
+#: (``"witness"``).
+CHANNELS = frozenset({"param", "state", "group", "host", "random", "closure", "graph", "witness"})
 
 
 class NotBuilt(Exception):
@@ -226,7 +232,7 @@ def traced(
     params = [torch.nn.Parameter(m.initial()) for m in members]
     with _isolated(params, 0):
         opt = _build(build, members, params, grouped)
-        tracer = Tracer()
+        tracer = Tracer(host="host" in CHANNELS)
         for i, p in enumerate(params):
             tracer.label(p, {i})
         grads = _Grads(members, params, mode, tracer)
@@ -235,7 +241,9 @@ def traced(
             for s, scale in enumerate(schedule.scales):
                 tracer.step = s + 1
                 _step(opt, grads, s, scale)
+                tracer.busy = True  # the inspection's own ops are not traced
                 tracer.findings += _inspect(opt, params, tracer, reached, [m.name for m in members])
+                tracer.busy = False
                 if tracer.findings:
                     break
     return tracer.findings, type(opt).__name__
@@ -302,21 +310,22 @@ def _inspect(
             found.append(Finding("value", where, tuple(mixed), via or "?", tracer.step))
 
     for i, p in enumerate(params):
-        check(f"the value of {names[i]}", p, {i}, i)
+        if "param" in CHANNELS:
+            check(f"the value of {names[i]}", p, {i}, i)
     for key, state in opt.state.items():
         i = index.get(id(key))
-        for path, value in _walk(state):
+        for path, value in _walk(state) if "state" in CHANNELS else ():
             if i is None:  # state kept for no param
                 check(f"its state {path}", value, set(range(len(params))), None)
             else:
                 check(f"the state {path} of {names[i]}", value, {i}, i)
-    for g, group in enumerate(opt.param_groups):
+    for group in opt.param_groups if "group" in CHANNELS else ():
         members = {index[id(p)] for p in group["params"] if id(p) in index}
         for key, value in group.items():
             if key != "params":
                 for path, v in _walk(value, repr(key)):
                     check(f"the param-group value {path}", v, members, None)
     for token, who in reached.items():
-        if len(who) > 1:
+        if len(who) > 1 and "random" in CHANNELS:
             found.append(Finding("random", token[4:], tuple(sorted(who)), "", tracer.step))
     return found

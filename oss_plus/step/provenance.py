@@ -35,6 +35,7 @@ import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -329,7 +330,8 @@ class Tracer:
         [0, 1]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: bool = True) -> None:
+        self._host = host
         self._shadows: dict[int, torch.Tensor] = {}
         self._mixed: dict[int, str] = {}
         self._alive: list[Any] = []
@@ -432,7 +434,7 @@ class Tracer:
     def host_read(self, origins: Origins, how: str, via: str = "") -> None:
         """Record a host read of a value from ``origins`` (coupling from two params on)."""
         found = params_in(origins)
-        if len(found) > 1:
+        if len(found) > 1 and self._host:
             how = _HOW.get(how, how)
             self.findings.append(Finding("host", how, tuple(found), via, self.step))
 
@@ -580,14 +582,4 @@ def _or_all(labels: torch.Tensor) -> int:
     """The union of a tensor of bit masks."""
     if labels.numel() == 0:
         return 0
-    mask = 0
-    for value in torch.unique(labels).tolist():
-        mask |= int(value)
-    return mask
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return t.numel() * t.element_size()
+    return int(np.bitwise_or.reduce(labels.numpy(), axis=None))
