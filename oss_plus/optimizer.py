@@ -148,6 +148,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             )
             super().__init__(_params.normalize_params(params), defaults)
             taken, fixed = _params.split_defaults(optim, defaults)
+            _params.check_named(optim, self.param_groups, taken)  # (name, param) constructors
             specs = _params.param_specs(self.param_groups, self._policy.aligned)
             plan = make_plan(specs, self.world_size, self._policy)
             self._shard = LocalShard(self.param_groups, plan, self.rank, optim, taken)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from oss_plus.state.index import NOT_HYPER
+from oss_plus.step import params as _params
 from oss_plus.step import probe_runs
 from oss_plus.step.pieces import unwrap_partial
 from oss_plus.step.probe_runs import (
@@ -223,7 +224,9 @@ def _probe(
         return None
 
     def build(groups: list[dict[str, Any]]) -> Optimizer:
-        return constructor(groups, **defaults)
+        if _params.takes_named(constructor) is not None:  # the probe's params, named
+            groups = [{**g, "param_names": [f"probe.{id(p)}" for p in g["params"]]} for g in groups]
+        return _params.construct(constructor, groups, defaults)
 
     name = getattr(constructor, "__name__", type(constructor).__name__)
     try:
