@@ -199,9 +199,9 @@ def test_the_probe_s_optimizers_are_marked():
 
     coupling.probe(recording, {"lr": 0.1}, [{"params": list(_model().parameters()), "lr": 0.1}],
                    coupling._hyper)  # fmt: skip
-    # three traced runs (one group; the other order in two; with a closure), four of the
+    # two traced runs (one group; the other order in two, with a closure), four of the
     # value witness (both orders, with and without the other param)
-    assert len(made) == 7 and all(opt.oss_plus_probe for opt in made)
+    assert len(made) == 6 and all(opt.oss_plus_probe for opt in made)
 
 
 def test_the_probe_leaves_the_training_s_random_generator_alone():
@@ -240,9 +240,9 @@ def test_the_verdict_is_kept_per_optimizer_and_shapes():
     groups = [{"params": list(_model().parameters()), "lr": 0.1}]
     for _ in range(3):
         coupling.check(counting, {"lr": 0.1}, groups, coupling._hyper)
-    assert len(calls) == 7  # one probe (test_the_probe_s_optimizers_are_marked)
+    assert len(calls) == 6  # one probe (test_the_probe_s_optimizers_are_marked)
     coupling.check(counting, {"lr": 0.2}, groups, coupling._hyper)  # other hyperparameters
-    assert len(calls) == 14
+    assert len(calls) == 12
 
 
 # ------------------------------------------------------------------ OSS, on every rank

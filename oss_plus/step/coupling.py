@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 #: Steps of each traced run: warm-ups (a step-size estimate that starts moving late, a
 #: coupling switched on at step 10), large gradients, small ones (:class:`Schedule`).
 TRACE_STEPS = 12
+#: Steps of the second traced run (the other order, large gradients first): the first run
+#: already covered warm-ups.
+SECOND_STEPS = 6
 #: Steps of each run of the value witness.
 WITNESS_STEPS = 12
 #: How much larger than the others the middle third of the gradients is.
@@ -274,7 +277,7 @@ def _verdict(
         # with a closure where the step takes one (a training loop may pass one)
         swapped = [chosen[1], chosen[0]]
         names = [names[1], names[0]]
-        large = Schedule((LARGE,) * (TRACE_STEPS // 2) + (1.0,) * (TRACE_STEPS // 2))
+        large = Schedule((LARGE,) * (SECOND_STEPS // 2) + (1.0,) * (SECOND_STEPS // 2))
         second = "closure" if mode == "plain" and "closure" in probe_runs.CHANNELS else mode
         try:
             findings, _ = traced(build, swapped, large, second, False)
