@@ -104,7 +104,29 @@ CROSS = {
         lambda: (_dadapt("DAdaptLion"), {"lr": 1.0}),
         "param 0 and param 1",
     ),
+    # issue 54: accepted before (the probe could not step them, or their coupling did not
+    # move a value within its three steps), now refused with what they read
+    "po-AliG (closure)": (
+        "pytorch_optimizer",
+        lambda: (_po("AliG"), {"max_lr": 1.0}),
+        "is read on the host by .item(), float(), int() or bool()",
+    ),
+    "po-AdaHessian (Hessian)": (
+        "pytorch_optimizer",
+        lambda: (_po("AdaHessian"), {"lr": 0.1}),
+        "they first meet in torch.autograd.grad",
+    ),
+    "po-DAdaptLion": ("pytorch_optimizer", lambda: (_po("DAdaptLion"), {"lr": 1.0}), "param 0 and param 1"),
+    "ProdigyPlusScheduleFree": (
+        "prodigyplus",
+        lambda: (_attr("prodigyplus", "ProdigyPlusScheduleFree"), {"lr": 1.0}),
+        "param 0 and param 1 is read on the host",
+    ),
 }
+
+
+def _attr(module, name):
+    return getattr(importlib.import_module(module), name)
 
 
 def _sf(name):
