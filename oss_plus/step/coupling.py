@@ -78,7 +78,7 @@ TRACE_STEPS = 12
 #: already covered warm-ups.
 SECOND_STEPS = 6
 #: Steps of each run of the value witness.
-WITNESS_STEPS = 12
+WITNESS_STEPS = 6
 #: How much larger than the others the middle third of the gradients is.
 LARGE = 1e4
 

@@ -168,9 +168,10 @@ class _Grads:
     def set(self, step: int, scale: float) -> torch.Tensor | None:
         """Set every param's gradient; return the loss (None but in graph mode)."""
         if self.mode != "graph":
-            for m, p in zip(self.members, self.params):
-                p.grad = m.grad(step, scale)
-            self._label()
+            with self._paused():
+                for m, p in zip(self.members, self.params):
+                    p.grad = m.grad(step, scale)
+                self._label()
             return None
         for p in self.params:
             p.grad = None
@@ -187,21 +188,27 @@ class _Grads:
                 loss = self.loss(step, scale)
                 with torch.enable_grad():
                     loss.backward()
-                for m, p in zip(self.members, self.params):  # the same values as set()
-                    p.grad = m.grad(step, scale)
-                self._label()
-            if self.tracer is not None:
-                everyone = range(len(self.params))
-                self.tracer.label(loss, everyone, via="the closure's loss")
-            return loss.detach()
+                with self._paused():
+                    for m, p in zip(self.members, self.params):  # the same values as set()
+                        p.grad = m.grad(step, scale)
+                    self._label()
+            with self._paused():
+                if self.tracer is not None:
+                    everyone = range(len(self.params))
+                    self.tracer.label(loss, everyone, via="the closure's loss")
+                return loss.detach()
 
         return closure
+
+    def _paused(self) -> Any:
+        return self.tracer.paused() if self.tracer is not None else contextlib.nullcontext()
 
     def _label(self) -> None:
         if self.tracer is None:
             return
-        for i, p in enumerate(self.params):  # a param's gradient is that param's input
-            self.tracer.label(p.grad, {i})
+        with self.tracer.paused():
+            for i, p in enumerate(self.params):  # a param's gradient is that param's input
+                self.tracer.label(p.grad, {i})
 
 
 def _step(opt: Optimizer, grads: _Grads, step: int, scale: float) -> None:
@@ -241,9 +248,9 @@ def traced(
             for s, scale in enumerate(schedule.scales):
                 tracer.step = s + 1
                 _step(opt, grads, s, scale)
-                tracer.busy = True  # the inspection's own ops are not traced
-                tracer.findings += _inspect(opt, params, tracer, reached, [m.name for m in members])
-                tracer.busy = False
+                with tracer.paused():  # the inspection's own ops are not traced
+                    names = [m.name for m in members]
+                    tracer.findings += _inspect(opt, params, tracer, reached, names)
                 if tracer.findings:
                     break
     return tracer.findings, type(opt).__name__

@@ -30,6 +30,7 @@ probe runs it, once, at construction, on copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
@@ -256,11 +257,9 @@ class _Dispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tracer = self.tracer
-        tracer.busy = True  # the shadows' own ops are not traced
-        try:
-            tracer.record(func, args, kwargs, out)
-        finally:
-            tracer.busy = False
+        if not tracer.busy:
+            with tracer.paused():  # the shadows' own ops are not traced
+                tracer.record(func, args, kwargs, out)
         return out
 
 
@@ -272,10 +271,10 @@ class _Function(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tracer = self.tracer
-        if tracer.busy:
+        name = getattr(func, "__name__", "")
+        if tracer.busy or name in ("__get__", "__set__"):  # attributes compute nothing
             return func(*args, **kwargs)
         taint = _taint_of(args) | _taint_of(kwargs.values())
-        name = getattr(func, "__name__", "")
         call = "torch.autograd.grad" if func is torch.autograd.grad else None
         call = call or ("Tensor.backward" if name == "backward" else None)
         tracer.pending.append((taint, call))
@@ -283,13 +282,14 @@ class _Function(TorchFunctionMode):
             out = func(*args, **kwargs)
         finally:
             tracer.pending.pop()
-        if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
-            origins = tracer.origins(args[0]) | taint
-            tracer.host_read(origins, f"Tensor.{name}()", tracer.via(args[0]))
-            return _wrap_nested(out, origins, tracer) if name != "__bool__" else out
-        if taint:
-            for t in _tensors(out):
-                tracer.add(t, taint, "a Python number read from a param")
+        with tracer.paused():
+            if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
+                origins = tracer.origins(args[0]) | taint
+                tracer.host_read(origins, f"Tensor.{name}()", tracer.via(args[0]))
+                return _wrap_nested(out, origins, tracer) if name != "__bool__" else out
+            if taint:
+                for t in _tensors(out):
+                    tracer.add(t, taint, "a Python number read from a param")
         return out
 
 
@@ -341,6 +341,15 @@ class Tracer:
         self.step = 0
         self.busy = False
         self._modes: list[Any] = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing inside is traced (the probe's own ops: gradients, labels, inspection)."""
+        busy, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = busy
 
     def __enter__(self) -> Tracer:
         self._modes = [_Function(self), _Dispatch(self)]
