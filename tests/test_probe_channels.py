@@ -195,7 +195,7 @@ REFUSED = {
     "state value": (GlobalState, "state", "the state ['seen_norm'] of param 0 is computed from param 0 and param 1"),
     "closure's loss": (ClosureLoss, "closure", "they first meet in the closure's loss"),
     "Hessian-vector product": (HessianVector, "graph", "they first meet in torch.autograd.grad"),
-    "random draw": (DefaultRandom, "random", "draws random numbers"),
+    "random draw": (DefaultRandom, "random", "the draws of the default cpu generator reach"),
     "from step 10": (LateCoupling, "param", "is computed from param 0 and param 1 (at probe step 10;"),
     "above a threshold": (ThresholdCoupling, "param", "is computed from param 0 and param 1 (at probe step 5;"),
     "below 1e-9": (TinyCoupling, "param", "the value of param 0 is computed from param 0 and param 1"),
