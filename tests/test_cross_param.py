@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 from unittest import mock
 
 import pytest
@@ -94,11 +93,27 @@ CROSS = {
         "first meet in aten.stack)",
     ),
     "NoisySGD": (None, lambda: (NoisySGD, {"lr": 0.1}), "draws random numbers"),
-    "po-Prodigy": ("pytorch_optimizer", lambda: (_po("Prodigy"), {"lr": 1.0}), "param 0 and param 1"),
-    "po-DAdaptAdam": ("pytorch_optimizer", lambda: (_po("DAdaptAdam"), {"lr": 1.0}), "param 0 and param 1"),
+    "po-Prodigy": (
+        "pytorch_optimizer",
+        lambda: (_po("Prodigy"), {"lr": 1.0}),
+        "param 0 and param 1",
+    ),
+    "po-DAdaptAdam": (
+        "pytorch_optimizer",
+        lambda: (_po("DAdaptAdam"), {"lr": 1.0}),
+        "param 0 and param 1",
+    ),
     "prodigyopt": ("prodigyopt", lambda: (_prodigy(), {"lr": 1.0}), "param 0 and param 1"),
-    "dadaptation-Adam": ("dadaptation", lambda: (_dadapt("DAdaptAdam"), {"lr": 1.0}), "param 0 and param 1"),
-    "dadaptation-SGD": ("dadaptation", lambda: (_dadapt("DAdaptSGD"), {"lr": 1.0}), "param 0 and param 1"),
+    "dadaptation-Adam": (
+        "dadaptation",
+        lambda: (_dadapt("DAdaptAdam"), {"lr": 1.0}),
+        "param 0 and param 1",
+    ),
+    "dadaptation-SGD": (
+        "dadaptation",
+        lambda: (_dadapt("DAdaptSGD"), {"lr": 1.0}),
+        "param 0 and param 1",
+    ),
     "dadaptation-Lion": (
         "dadaptation",
         lambda: (_dadapt("DAdaptLion"), {"lr": 1.0}),
@@ -116,7 +131,11 @@ CROSS = {
         lambda: (_po("AdaHessian"), {"lr": 0.1}),
         "they first meet in torch.autograd.grad",
     ),
-    "po-DAdaptLion": ("pytorch_optimizer", lambda: (_po("DAdaptLion"), {"lr": 1.0}), "param 0 and param 1"),
+    "po-DAdaptLion": (
+        "pytorch_optimizer",
+        lambda: (_po("DAdaptLion"), {"lr": 1.0}),
+        "param 0 and param 1",
+    ),
     "ProdigyPlusScheduleFree": (
         "prodigyplus",
         lambda: (_attr("prodigyplus", "ProdigyPlusScheduleFree"), {"lr": 1.0}),

@@ -101,7 +101,9 @@ class HessianVector(_SGD):
         if any(p.grad.grad_fn is None for p in params):
             raise RuntimeError("HessianVector needs backward(create_graph=True)")
         with torch.enable_grad():
-            hvs = torch.autograd.grad([p.grad for p in params], params, [torch.ones_like(p) for p in params])
+            hvs = torch.autograd.grad(
+                [p.grad for p in params], params, [torch.ones_like(p) for p in params]
+            )
         for p, hv in zip(params, hvs):
             self.state[p]["hv"] = hv.detach()
 
@@ -189,18 +191,46 @@ class OwnGenerator(_SGD):
 
 #: Refused: the class, the channel that must see it, and what its message says.
 REFUSED = {
-    "global norm (tensors)": (GlobalNormTensor, "param", "the value of param 0 is computed from param 0 and param 1"),
-    "global norm (.item())": (GlobalNormItem, "host", "is read on the host by .item(), float(), int() or bool()"),
-    "group value": (GroupValue, "group", "the param-group value 'grad_sum' is computed from param 0 and param 1"),
-    "state value": (GlobalState, "state", "the state ['seen_norm'] of param 0 is computed from param 0 and param 1"),
+    "global norm (tensors)": (
+        GlobalNormTensor,
+        "param",
+        "the value of param 0 is computed from param 0 and param 1",
+    ),
+    "global norm (.item())": (
+        GlobalNormItem,
+        "host",
+        "is read on the host by .item(), float(), int() or bool()",
+    ),
+    "group value": (
+        GroupValue,
+        "group",
+        "the param-group value 'grad_sum' is computed from param 0 and param 1",
+    ),
+    "state value": (
+        GlobalState,
+        "state",
+        "the state ['seen_norm'] of param 0 is computed from param 0 and param 1",
+    ),
     "closure's loss": (ClosureLoss, "closure", "they first meet in the closure's loss"),
     "Hessian-vector product": (HessianVector, "graph", "they first meet in torch.autograd.grad"),
     "random draw": (DefaultRandom, "random", "the draws of the default cpu generator reach"),
-    "from step 10": (LateCoupling, "param", "is computed from param 0 and param 1 (at probe step 10;"),
-    "above a threshold": (ThresholdCoupling, "param", "is computed from param 0 and param 1 (at probe step 5;"),
-    "below 1e-9": (TinyCoupling, "param", "the value of param 0 is computed from param 0 and param 1"),
+    "from step 10": (
+        LateCoupling,
+        "param",
+        "is computed from param 0 and param 1 (at probe step 10;",
+    ),
+    "above a threshold": (
+        ThresholdCoupling,
+        "param",
+        "is computed from param 0 and param 1 (at probe step 5;",
+    ),
+    "below 1e-9": (
+        TinyCoupling,
+        "param",
+        "the value of param 0 is computed from param 0 and param 1",
+    ),
     "Python arithmetic": (PythonSum, "witness", "the trace did not follow how"),
-}  # fmt: skip
+}
 PER_PARAM = {
     "foreach": ForeachSGD,
     "fused": FusedAdamW,

@@ -33,7 +33,6 @@ therefore costs nothing: :func:`oss_plus.OSS.step` is unchanged. Its cost is mea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -235,7 +234,8 @@ def _probe(
     try:
         return _verdict(build, list(chosen), name)
     except NotBuilt as exc:
-        why = f"its constructor refused the probe's copies of {_names([m.name for m in chosen], [0, 1])} ({exc})"
+        copies = _names([m.name for m in chosen], [0, 1])
+        why = f"its constructor refused the probe's copies of {copies} ({exc})"
         return Coupling(name, None, why)
     except Exception as exc:  # noqa: BLE001 - what cannot be shown is refused, with the reason
         return Coupling(name, None, f"the probe failed ({type(exc).__name__}: {exc})")
@@ -363,7 +363,10 @@ def _key(constructor: Any, defaults: dict[str, Any], chosen: Sequence[Any]) -> t
     return (
         constructor,
         plain(defaults),
-        tuple((plain(m.options), tuple(m.like.shape), m.like.dtype, str(m.like.device)) for m in chosen),
+        tuple(
+            (plain(m.options), tuple(m.like.shape), m.like.dtype, str(m.like.device))
+            for m in chosen
+        ),
     )
 
 

@@ -32,7 +32,16 @@ from torch.optim import Optimizer
 
 from oss_plus.step.provenance import Finding, Tracer, origins_of_value, params_in
 
-__all__ = ["CHANNELS", "MODES", "PROBE_DIM", "ProbeParam", "Schedule", "NotBuilt", "traced", "witness"]
+__all__ = [
+    "CHANNELS",
+    "MODES",
+    "PROBE_DIM",
+    "ProbeParam",
+    "Schedule",
+    "NotBuilt",
+    "traced",
+    "witness",
+]
 
 #: The largest size of a probe tensor along each dimension (shapes keep the params' ndim).
 PROBE_DIM = 6
@@ -156,9 +165,7 @@ class _Grads:
 
     def loss(self, step: int, scale: float) -> torch.Tensor:
         with torch.enable_grad():
-            parts = [
-                (p * m.grad(step, scale)).sum() for m, p in zip(self.members, self.params)
-            ]
+            parts = [(p * m.grad(step, scale)).sum() for m, p in zip(self.members, self.params)]
             loss = torch.stack(parts).sum()
             if self.mode == "graph" and len(self.params) > 1:  # value 0, second derivative not
                 zero = [((p - p.detach()) * p.detach()).sum() for p in self.params]
@@ -215,7 +222,7 @@ def _step(opt: Optimizer, grads: _Grads, step: int, scale: float) -> None:
     grads.set(step, scale)
     try:
         if grads.mode != "plain" and _takes_closure(opt):
-            opt.step(grads.closure(step, scale))
+            opt.step(grads.closure(step, scale))  # type: ignore[arg-type]
         else:
             opt.step()
     except Exception as exc:  # noqa: BLE001 - the caller tries the next mode, or names it
@@ -319,18 +326,18 @@ def _inspect(
     for i, p in enumerate(params):
         if "param" in CHANNELS:
             check(f"the value of {names[i]}", p, {i}, i)
-    for key, state in opt.state.items():
-        i = index.get(id(key))
+    for holder, state in opt.state.items():
+        owner = index.get(id(holder))
         for path, value in _walk(state) if "state" in CHANNELS else ():
-            if i is None:  # state kept for no param
+            if owner is None:  # state kept for no param
                 check(f"its state {path}", value, set(range(len(params))), None)
             else:
-                check(f"the state {path} of {names[i]}", value, {i}, i)
+                check(f"the state {path} of {names[owner]}", value, {owner}, owner)
     for group in opt.param_groups if "group" in CHANNELS else ():
         members = {index[id(p)] for p in group["params"] if id(p) in index}
-        for key, value in group.items():
-            if key != "params":
-                for path, v in _walk(value, repr(key)):
+        for name, value in group.items():
+            if name != "params":
+                for path, v in _walk(value, repr(name)):
                     check(f"the param-group value {path}", v, members, None)
     for token, who in reached.items():
         if len(who) > 1 and "random" in CHANNELS:

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ def origins_of_value(value: Any) -> Origins:
 def _plain(value: Any) -> Any:
     if isinstance(value, TracedInt):
         return int(value)
-    return float(value) if isinstance(value, _Traced) else value
+    return float(cast(float, value)) if isinstance(value, _Traced) else value
 
 
 def _arith(kind: type, name: str) -> Any:
@@ -210,7 +210,7 @@ _ELEMENTWISE = frozenset(
 _FOREACH_REDUCING = frozenset({"_foreach_norm", "_foreach_max"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _op_info(func: Any) -> _OpInfo:
     schema = func._schema
     args = []
@@ -384,7 +384,8 @@ class Tracer:
         """The storage key of ``t`` and its shadow (one int64 per byte)."""
         try:
             storage = t.untyped_storage()
-            key, size, holder = storage._cdata, int(storage.nbytes()), storage
+            key, size = storage._cdata, int(storage.nbytes())
+            holder: Any = storage
         except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass, meta
             key, size, holder = id(t), 0, t
         shadow = self._shadows.get(key)
@@ -461,8 +462,7 @@ class Tracer:
         info = _op_info(func)
         taint, call = self._context()
         values = [
-            args[a.position] if a.position < len(args) else kwargs.get(a.name)
-            for a in info.args
+            args[a.position] if a.position < len(args) else kwargs.get(a.name) for a in info.args
         ]
         extra = self._mask(taint | self._seed(info, args, kwargs, out))
         via = self._first_via(values, call or info.name)
@@ -474,7 +474,9 @@ class Tracer:
         else:
             self._whole(info, values, out, extra, via)
 
-    def _seed(self, info: _OpInfo, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Origins:
+    def _seed(
+        self, info: _OpInfo, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> Origins:
         if not info.seeded:
             return _EMPTY
         gen = kwargs.get("generator")
@@ -487,7 +489,9 @@ class Tracer:
         device = tensors[0].device.type if tensors else "cpu"
         return frozenset({f"rng:the default {device} generator"})
 
-    def _inputs(self, info: _OpInfo, args: Sequence[_Arg], values: Sequence[Any]) -> list[torch.Tensor]:
+    def _inputs(
+        self, info: _OpInfo, args: Sequence[_Arg], values: Sequence[Any]
+    ) -> list[torch.Tensor]:
         """The tensors an op reads values from (none for an op that reads shapes only, and
         not what it overwrites)."""
         if info.shape_only:
@@ -518,9 +522,7 @@ class Tracer:
             mask |= _or_all(self.labels(t))
         return torch.full(tuple(shape), mask, dtype=torch.int64)
 
-    def _whole(
-        self, info: _OpInfo, values: Sequence[Any], out: Any, extra: int, via: str
-    ) -> None:
+    def _whole(self, info: _OpInfo, values: Sequence[Any], out: Any, extra: int, via: str) -> None:
         inputs = self._inputs(info, info.args, values)
         written = [t for a, v in zip(info.args, values) if a.written for t in _tensors(v)]
         for t in written:
@@ -555,7 +557,9 @@ class Tracer:
             if labels.shape != out.shape:
                 raise RuntimeError("shape")
         except RuntimeError:
-            labels = self._result(dataclasses.replace(info, pointwise=False), tensors, out.shape, extra)
+            labels = self._result(
+                dataclasses.replace(info, pointwise=False), tensors, out.shape, extra
+            )
         self._write(out, labels, via)
 
     def _per_index(
@@ -563,7 +567,9 @@ class Tracer:
     ) -> None:
         """``_foreach_*`` and fused steps: output ``i`` from the inputs at ``i`` and the
         op's other arguments."""
-        indexed = [a.is_list and isinstance(v, list) and len(v) == n for a, v in zip(info.args, values)]
+        indexed = [
+            a.is_list and isinstance(v, list) and len(v) == n for a, v in zip(info.args, values)
+        ]
         common = [(a, v) for a, v, i in zip(info.args, values, indexed) if not i]
         common_inputs = self._inputs(info, [a for a, _ in common], [v for _, v in common])
         outs = list(out) if isinstance(out, (list, tuple)) else []
