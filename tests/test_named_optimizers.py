@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oss_plus import OSS
-from oss_plus.step.params import NEEDS_NAMES, OWN_GROUPS
+from oss_plus.step.named import NEEDS_NAMES, OWN_GROUPS
 
 
 class NamedSGD(torch.optim.SGD):

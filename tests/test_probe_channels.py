@@ -1,7 +1,7 @@
 """The cross-param probe against one synthetic optimizer per way a step can read across params
 (issue 54): each is refused, with its real reason; per-param controls of the same shapes pass;
-and removing any one of the probe's channels (``probe_runs.CHANNELS``) lets its optimizer
-through or loses its reason.
+and removing any one of the probe's channels (``oss_plus.step.probe.runs.CHANNELS``) lets
+its optimizer through or loses its reason.
 
 Every synthetic optimizer is SGD plus one cross-param read, so each test also shows that the
 probe does not refuse plain SGD (the controls).
@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from oss_plus.step import coupling, probe_runs
+from oss_plus.step import coupling
+from oss_plus.step.probe import runs as probe_runs
 
 
 def _grads(group):

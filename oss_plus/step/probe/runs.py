@@ -13,7 +13,7 @@ gradients it makes itself, in one of two ways (:data:`MODES`):
   that differentiates them (a Hessian-vector product); the loss then holds a term of value 0
   whose second derivative joins the two params, as any model's loss does.
 
-A run is either *traced* (:class:`oss_plus.step.provenance.Tracer`: where every value came
+A run is either *traced* (:class:`oss_plus.step.probe.trace.Tracer`: where every value came
 from) or a *witness* (values only, compared by the caller with and without the other param).
 Every run forks the training's random generators and reseeds them, and runs
 ``torch.compile``'d code eagerly.
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from oss_plus.step.provenance import Finding, Tracer, origins_of_value, params_in
+from oss_plus.step.probe.numbers import origins_of_value, params_in
+from oss_plus.step.probe.trace import Finding, Tracer
 
 __all__ = [
     "CHANNELS",

@@ -32,26 +32,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Finding", "Tracer", "TracedFloat", "TracedInt", "origins_of_value"]
+from oss_plus.step.probe.numbers import (
+    EMPTY,
+    Origin,
+    Origins,
+    params_in,
+    taint_of,
+    wrap_nested,
+)
+from oss_plus.step.probe.ops import Arg, OpInfo, op_info, tensors
 
-Origin = int | str
-Origins = frozenset[Origin]
-_EMPTY: Origins = frozenset()
+__all__ = ["Finding", "Tracer"]
 
-#: In-place ops whose result does not depend on the tensor they write.
-_OVERWRITE = frozenset(
-    {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
-     "cauchy_", "log_normal_", "geometric_", "set_", "resize_", "_foreach_copy_", "_foreach_zero_"}
-)  # fmt: skip
 #: Host reads in words.
 _HOW = {
     "aten._local_scalar_dense": ".item(), float(), int() or bool()",
@@ -60,11 +60,6 @@ _HOW = {
 }
 #: Python-level reads of a tensor's values into host numbers.
 _HOST_READS = frozenset({"item", "__float__", "__int__", "__index__", "__bool__", "tolist"})
-
-
-def params_in(origins: Iterable[Origin]) -> list[int]:
-    """The param indices of ``origins``, sorted."""
-    return sorted(o for o in origins if isinstance(o, int))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,167 +80,6 @@ class Finding:
     origins: tuple[int, ...]
     via: str
     step: int
-
-
-class _Traced:
-    """A Python number read from params' values, carrying their origins."""
-
-    origins: Origins
-    tracer: Tracer | None
-
-
-def _wrap(value: Any, origins: Origins, tracer: Tracer | None) -> Any:
-    if not origins:
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return value
-    out: Any = TracedInt(value) if isinstance(value, int) else TracedFloat(value)
-    out.origins, out.tracer = origins, tracer
-    return out
-
-
-def origins_of_value(value: Any) -> Origins:
-    """The origins a Python number carries (none for a plain number)."""
-    return getattr(value, "origins", _EMPTY) if isinstance(value, _Traced) else _EMPTY
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, TracedInt):
-        return int(value)
-    return float(cast(float, value)) if isinstance(value, _Traced) else value
-
-
-def _arith(kind: type, name: str) -> Any:
-    base = getattr(kind, name)
-
-    def op(self: Any, *others: Any) -> Any:
-        if any(isinstance(o, torch.Tensor) for o in others):
-            return NotImplemented  # the tensor's reflected op runs, traced with this number
-        result = base(_plain(self), *map(_plain, others))
-        if result is NotImplemented:
-            return result
-        merged = origins_of_value(self).union(*map(origins_of_value, others))
-        return _wrap(result, merged, self.tracer)
-
-    return op
-
-
-def _compare(kind: type, name: str) -> Any:
-    base = getattr(kind, name)
-
-    def op(self: Any, other: Any) -> Any:
-        if isinstance(other, torch.Tensor):
-            return NotImplemented
-        merged = origins_of_value(self) | origins_of_value(other)
-        if self.tracer is not None:
-            self.tracer.host_read(merged, f"a comparison ({name})")
-        return base(_plain(self), _plain(other))
-
-    return op
-
-
-_ARITH = ["__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-          "__rtruediv__", "__pow__", "__rpow__", "__neg__", "__abs__", "__mod__", "__rmod__",
-          "__floordiv__", "__rfloordiv__", "__pos__"]  # fmt: skip
-_COMPARE = ["__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"]
-
-
-class TracedFloat(_Traced, float):
-    """A float read from the values of the params in :attr:`origins`."""
-
-    __hash__ = float.__hash__
-
-    def __bool__(self) -> bool:
-        if self.tracer is not None:
-            self.tracer.host_read(self.origins, "bool()")
-        return float(self) != 0.0
-
-
-class TracedInt(_Traced, int):
-    """An int read from the values of the params in :attr:`origins`."""
-
-    __hash__ = int.__hash__
-
-    def __bool__(self) -> bool:
-        if self.tracer is not None:
-            self.tracer.host_read(self.origins, "bool()")
-        return int(self) != 0
-
-    def __index__(self) -> int:
-        return int(self)
-
-
-for _cls, _kind in ((TracedFloat, float), (TracedInt, int)):
-    for _name in _ARITH:
-        setattr(_cls, _name, _arith(_kind, _name))
-    for _name in _COMPARE:
-        setattr(_cls, _name, _compare(_kind, _name))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arg:
-    position: int
-    name: str
-    is_list: bool
-    written: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _OpInfo:
-    name: str
-    args: tuple[_Arg, ...]
-    overwrite: bool
-    shape_only: bool
-    seeded: bool
-    pointwise: bool
-
-
-#: Ops whose every output element comes from the same element of each input (broadcast),
-#: besides those torch tags ``pointwise``.
-_ELEMENTWISE = frozenset(
-    {"copy_", "fill_", "zero_", "clone", "_to_copy", "lift_fresh", "lift_fresh_copy",
-     "masked_fill", "masked_fill_", "contiguous"}
-)  # fmt: skip
-#: ``_foreach_*`` ops that are not elementwise per tensor.
-_FOREACH_REDUCING = frozenset({"_foreach_norm", "_foreach_max"})
-
-
-@functools.cache
-def _op_info(func: Any) -> _OpInfo:
-    schema = func._schema
-    args = []
-    for i, a in enumerate(schema.arguments):
-        text = str(a.type)
-        if "Tensor" not in text:
-            continue
-        written = a.alias_info is not None and a.alias_info.is_write
-        args.append(_Arg(i, a.name, "List[" in text, written))
-    base = schema.name.split("::")[-1]
-    out_variant = any(a.written and a.name.startswith("out") for a in args) or (
-        func._overloadname.startswith("out")
-    )
-    foreach = base.startswith(("_foreach_", "_fused_"))
-    pointwise = (
-        torch.Tag.pointwise in func.tags
-        or base in _ELEMENTWISE
-        or (foreach and base.rstrip("_") not in _FOREACH_REDUCING)
-    )
-    return _OpInfo(
-        name=f"aten.{base}",
-        args=tuple(args),
-        overwrite=base in _OVERWRITE or out_variant,
-        shape_only=base.endswith("_like") or base.startswith("new_"),
-        seeded=torch.Tag.nondeterministic_seeded in func.tags,
-        pointwise=pointwise,
-    )
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 class _Dispatch(TorchDispatchMode):
@@ -274,7 +108,7 @@ class _Function(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if tracer.busy or name in ("__get__", "__set__"):  # attributes compute nothing
             return func(*args, **kwargs)
-        taint = _taint_of(args) | _taint_of(kwargs.values())
+        taint = taint_of(args) | taint_of(kwargs.values())
         call = "torch.autograd.grad" if func is torch.autograd.grad else None
         call = call or ("Tensor.backward" if name == "backward" else None)
         tracer.pending.append((taint, call))
@@ -286,27 +120,11 @@ class _Function(TorchFunctionMode):
             if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
                 origins = tracer.origins(args[0]) | taint
                 tracer.host_read(origins, f"Tensor.{name}()", tracer.via(args[0]))
-                return _wrap_nested(out, origins, tracer) if name != "__bool__" else out
+                return wrap_nested(out, origins, tracer) if name != "__bool__" else out
             if taint:
-                for t in _tensors(out):
+                for t in tensors(out):
                     tracer.add(t, taint, "a Python number read from a param")
         return out
-
-
-def _wrap_nested(value: Any, origins: Origins, tracer: Tracer) -> Any:
-    if isinstance(value, list):
-        return [_wrap_nested(v, origins, tracer) for v in value]
-    return _wrap(value, origins, tracer)
-
-
-def _taint_of(values: Iterable[Any]) -> Origins:
-    found: set[Origin] = set()
-    for v in values:
-        if isinstance(v, _Traced):
-            found |= v.origins
-        elif isinstance(v, (list, tuple)):
-            found |= _taint_of(v)
-    return frozenset(found)
 
 
 class Tracer:
@@ -459,7 +277,7 @@ class Tracer:
     # -- one op
     def record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         """Propagate origins through one op (the dispatch mode calls it after the op ran)."""
-        info = _op_info(func)
+        info = op_info(func)
         taint, call = self._context()
         values = [
             args[a.position] if a.position < len(args) else kwargs.get(a.name) for a in info.args
@@ -474,23 +292,21 @@ class Tracer:
         else:
             self._whole(info, values, out, extra, via)
 
-    def _seed(
-        self, info: _OpInfo, args: Sequence[Any], kwargs: dict[str, Any], out: Any
-    ) -> Origins:
+    def _seed(self, info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> Origins:
         if not info.seeded:
-            return _EMPTY
+            return EMPTY
         gen = kwargs.get("generator")
         if gen is None:
             gen = next((a for a in args if isinstance(a, torch.Generator)), None)
         if gen is not None:
             self._alive.append(gen)
             return frozenset({f"rng:generator {id(gen):#x}"})
-        tensors = [*_tensors(out), *_tensors(list(args))]
-        device = tensors[0].device.type if tensors else "cpu"
+        seen = [*tensors(out), *tensors(list(args))]
+        device = seen[0].device.type if seen else "cpu"
         return frozenset({f"rng:the default {device} generator"})
 
     def _inputs(
-        self, info: _OpInfo, args: Sequence[_Arg], values: Sequence[Any]
+        self, info: OpInfo, args: Sequence[Arg], values: Sequence[Any]
     ) -> list[torch.Tensor]:
         """The tensors an op reads values from (none for an op that reads shapes only, and
         not what it overwrites)."""
@@ -500,11 +316,11 @@ class Tracer:
             t
             for a, v in zip(args, values)
             if not (a.written and info.overwrite)
-            for t in _tensors(v)
+            for t in tensors(v)
         ]
 
     def _result(
-        self, info: _OpInfo, inputs: Sequence[torch.Tensor], shape: torch.Size, extra: int
+        self, info: OpInfo, inputs: Sequence[torch.Tensor], shape: torch.Size, extra: int
     ) -> torch.Tensor:
         """The masks of an output of ``shape``: per element for an elementwise op, else the
         union of every input element."""
@@ -522,14 +338,14 @@ class Tracer:
             mask |= _or_all(self.labels(t))
         return torch.full(tuple(shape), mask, dtype=torch.int64)
 
-    def _whole(self, info: _OpInfo, values: Sequence[Any], out: Any, extra: int, via: str) -> None:
+    def _whole(self, info: OpInfo, values: Sequence[Any], out: Any, extra: int, via: str) -> None:
         inputs = self._inputs(info, info.args, values)
-        written = [t for a, v in zip(info.args, values) if a.written for t in _tensors(v)]
+        written = [t for a, v in zip(info.args, values) if a.written for t in tensors(v)]
         for t in written:
             self._write(t, self._result(info, inputs, t.shape, extra), via)
-        keys = {self._key(t)[0] for v in values for t in _tensors(v)}
+        keys = {self._key(t)[0] for v in values for t in tensors(v)}
         if isinstance(out, (torch.Tensor, list, tuple)):
-            for t in _tensors(out):
+            for t in tensors(out):
                 if self._key(t)[0] not in keys:  # fresh (a view of an input keeps its own)
                     self._write(t, self._result(info, inputs, t.shape, extra), via)
         elif out is not None:  # a value for the host
@@ -540,7 +356,7 @@ class Tracer:
 
     def _joined(
         self,
-        info: _OpInfo,
+        info: OpInfo,
         values: Sequence[Any],
         args: Sequence[Any],
         kwargs: dict[str, Any],
@@ -563,7 +379,7 @@ class Tracer:
         self._write(out, labels, via)
 
     def _per_index(
-        self, info: _OpInfo, values: Sequence[Any], n: int, out: Any, extra: int, via: str
+        self, info: OpInfo, values: Sequence[Any], n: int, out: Any, extra: int, via: str
     ) -> None:
         """``_foreach_*`` and fused steps: output ``i`` from the inputs at ``i`` and the
         op's other arguments."""
@@ -581,12 +397,12 @@ class Tracer:
                 if a.written and isinstance(v, torch.Tensor):
                     self._write(v, self._result(info, inputs, v.shape, extra), here)
             if len(outs) == n and not any(a.written for a, _ in at):
-                for t in _tensors(outs[i]):
+                for t in tensors(outs[i]):
                     self._write(t, self._result(info, inputs, t.shape, extra), here)
 
     def _first_via(self, values: Sequence[Any], via: str) -> str:
         for v in values:
-            for t in _tensors(v):
+            for t in tensors(v):
                 found = self._mixed.get(self._key(t)[0])
                 if found:
                     return found
