@@ -66,3 +66,26 @@ def test_main_turns_a_broken_pipe_into_141_and_keeps_other_errors(monkeypatch, c
     assert "4x4: 1 params, 16 elements" in capsys.readouterr().out
     assert cli.main(["plan", "--shapes", "0x4"]) == 2  # a bad input is still a one-line error
     assert capsys.readouterr().err.startswith("oss-plus plan: error:")
+
+
+def test_the_package_names_its_stages_alike_everywhere():
+    """setup.cfg (what ``pip show`` prints), the CLI's help, the package's docstring and the
+    README's first line all say ZeRO-1 and ZeRO-2; the metadata names its authors."""
+    import configparser
+
+    import oss_plus
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    readme = (ROOT / "README.md").read_text().split("\n\n")[1]
+    texts = {
+        "setup.cfg": setup["metadata"]["description"],
+        "oss-plus --help": cli.build_parser().description or "",
+        "oss_plus.__doc__": (oss_plus.__doc__ or "").splitlines()[0],
+        "README.md": readme,
+    }
+    for where, text in texts.items():
+        assert "ZeRO-1" in text and "ZeRO-2" in text, where
+        assert "stage 1" not in text and "(ZeRO-1)" not in text, where
+    assert setup["metadata"]["author"] == "the oss_plus authors"
+    assert "the oss_plus authors" in (ROOT / "LICENSE").read_text()
