@@ -46,6 +46,8 @@ MAIN_IMPLS = (
     "unsharded",
     "floor",
 )
+#: Every row but the opt-in ones (``--full``).
+ALL_IMPLS = tuple(k for k in IMPLS if k not in OPT_IN)
 #: Model sizes (M params) of ``--full``'s size sweep.
 FULL_SWEEP_SIZES = (5.0, 20.0, 50.0)
 #: Rows whose RSS is measured by default (the transport variants share oss_plus's layout).
@@ -181,10 +183,6 @@ def _on_ranks(cfg: BenchConfig, fn: Any, world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` fresh ranks with ``cfg``'s backend and threads."""
     backend = pick_backend(cfg.backend, world)
     return run_local(fn, world, *args, backend=backend, threads=cfg.threads)
-
-
-#: Every row but the opt-in ones (``--full``).
-ALL_IMPLS = tuple(k for k in IMPLS if k not in OPT_IN)
 
 
 def phases_ahead(cfg: BenchConfig, keys: list[str]) -> dict[str, str]:
