@@ -44,7 +44,7 @@ def _cells(figures: list[float | None], anchor: list[float | None]) -> list[str]
     for value, base in zip(figures, anchor):
         ratio = value / base if value is not None and base else None
         cells.append("-" if value is None else _number(value))
-        cells.append("-" if ratio is None else f"{ratio:.2f}")
+        cells.append("-" if ratio is None else f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}")
     return cells
 
 
@@ -70,7 +70,8 @@ def summary_table(result: BenchResult, json_path: str = "") -> str:
     )
     lines = [
         f"oss_plus bench: {cfg['size']:g}M params ({model}), {cfg['optimizer']}, "
-        f"{cfg['world_size']} ranks on {machine['backend']}, {machine['cores']} cores",
+        f"{cfg['world_size']} rank{'s' * (cfg['world_size'] != 1)} on {machine['backend']}, "
+        f"{machine['cores']} cores",
         f"x {anchor_key}: the row's figure over {anchor_label}'s (above 1: more than it)",
         "",
         " " * _LABEL + "".join(h.rjust(sum(_CELLS)) for h in _GROUPS),
