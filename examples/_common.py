@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from oss_plus.runtime.launch import DEVICES, choose_device
+from oss_plus import choose_device
 
 
 def setup(requested: str = "auto") -> torch.device:
@@ -57,7 +57,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default="auto",
-        choices=DEVICES,
+        choices=("auto", "cpu", "cuda"),
         help="auto: cuda:LOCAL_RANK with NCCL when there is a GPU per local rank, else gloo on "
         "the CPU (default); cpu; cuda",
     )

@@ -1,4 +1,4 @@
-"""oss_plus: sharded optimizer state (ZeRO stage 1) on torch.distributed.
+"""oss_plus: sharded optimizer state and gradients (ZeRO-1 and ZeRO-2) on torch.distributed.
 
 The public API is ``__all__`` below plus the subpackages ``planning``, ``checkpoint``,
 ``data_parallel``, ``overlap``, ``compat`` (``compat.fairscale``, ``compat.torch``) and
@@ -15,17 +15,20 @@ from oss_plus.data_parallel import ShardedDataParallel
 from oss_plus.hybrid import HybridGroups, hybrid_groups
 from oss_plus.optimizer import OSS
 from oss_plus.planning.partition import ParamSpec, Rule, assign_owners
+from oss_plus.runtime.launch import DeviceChoice, choose_device
 from oss_plus.state.subclass import register_state_class
 from oss_plus.step.pieces import elementwise
 
 __all__ = [
     "OSS",
+    "DeviceChoice",
     "HybridGroups",
     "ParamSpec",
     "Rule",
     "ShardedDataParallel",
     "ShardedGradScaler",
     "assign_owners",
+    "choose_device",
     "elementwise",
     "hybrid_groups",
     "load_checkpoint",

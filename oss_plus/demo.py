@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import textwrap
 import time
 from typing import Any
 
@@ -21,8 +22,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oss_plus.amp.scaler import ShardedGradScaler
 from oss_plus.optimizer import OSS
+from oss_plus.planning.model_specs import model_specs
+from oss_plus.planning.scale import Topology, scale_rows
 from oss_plus.runtime.launch import DEVICES, choose_device, run_local
 
+#: The model, ranks per node and ``oss-plus plan`` command of the demo's "where sharding pays"
+#: line (Adam's 8 bytes of state per parameter, ZeRO-1 under the flat rule).
+PAYS_MODEL, PAYS_RANKS = "llama2-7b", 8
+PAYS_COMMAND = f"oss-plus plan --model {PAYS_MODEL} --nodes 1 --per-node {PAYS_RANKS}"
+#: The heading of the demo's ratio column: the sharded side's figure over the unsharded one's.
+RATIO = "OSS/Adam"
 #: Gradient-norm bound, initial loss scale and growth interval of the --amp demo.
 AMP_MAX_NORM = 1.0
 AMP_INIT_SCALE = 2.0**20
@@ -158,6 +167,58 @@ def iteration_seconds(results: list[dict[str, Any]], key: str = "times") -> floa
     return statistics.median(per_step[1:] or per_step)
 
 
+def pays_line(model: str = PAYS_MODEL, ranks: int = PAYS_RANKS) -> str:
+    """Adam's state per rank for ``model`` on one node of ``ranks``, unsharded and under ZeRO-1:
+    the figures of :data:`PAYS_COMMAND`'s ``ddp`` and ``zero1`` (flat) rows."""
+    rows = scale_rows(model_specs(model), Topology(1, ranks), ["flat"], [])
+    state = {row.stage: row.state / 1e9 for row in rows}
+    return (
+        f"Llama-2 7B's Adam state is {state['ddp']:.2f} GB per rank unsharded, "
+        f"{state['zero1']:.2f} GB over {ranks} ranks:"
+    )
+
+
+def _explained(ours: float, theirs: float, r0: dict[str, Any], world: int) -> list[str]:
+    """What the table's rows mean, why the time is what it is, and where sharding pays."""
+    where = "over gloo on the CPU" if "(cpu)" in r0["ranks"] else "between the GPUs"
+    if ours > theirs:
+        why = (
+            f"OSS takes longer here: at {r0['params']:,} params, stepping 1/{world} of them saves "
+            f"a rank less time than the parameter sync costs (one more collective a step, {where})."
+        )
+    else:
+        why = f"OSS takes no longer here: stepping 1/{world} of the params pays for the sync."
+    paragraphs = [
+        f"{RATIO}: the OSS figure over the Adam figure, in every row (below 1: OSS needs less).",
+        "training iteration: forward, backward (DDP's gradient all-reduce) and step (OSS: the "
+        "shard's step and the parameter sync), median of the slowest rank after the first "
+        f"step. {why}",
+        f"optimizer state: bytes of the state tensors this rank's optimizer holds, about 1/{world} "
+        "of Adam's. That is where sharding pays, the more the larger the model and the more "
+        f"ranks: {pays_line()}",
+    ]
+    lines = [
+        line for text in paragraphs for line in textwrap.wrap(text, 92, subsequent_indent="  ")
+    ]
+    return [*lines, f"  {PAYS_COMMAND}"]
+
+
+def _loss_rows(r0: dict[str, Any], steps: int) -> list[str]:
+    stride = max(1, steps // 10)
+    shown = list(range(0, steps, stride))
+    which = (
+        f"{shown[0]}-{shown[-1]}" if stride == 1 else f"{shown[0]}, {shown[1]}, ..., {shown[-1]}"
+    )
+    lines = [
+        f"rank 0's loss, steps {which} of {steps}; the last line compares every step on every rank",
+        f"{'step':>4}  {'loss (OSS)':>12}  {'loss (Adam)':>12}  same",
+    ]
+    for i in shown:
+        a, b = r0["losses"][i], r0["ref_losses"][i]
+        lines.append(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {'yes' if a == b else 'NO'}")
+    return lines
+
+
 def format_report(results: list[dict[str, Any]], steps: int) -> str:
     """Turn the per-rank logs of :func:`rank_main` into the demo's text report."""
     r0, world = results[0], len(results)
@@ -166,27 +227,17 @@ def format_report(results: list[dict[str, Any]], steps: int) -> str:
         f"oss_plus demo: DDP + OSS(Adam) against DDP + Adam on {world} {r0['ranks']}, "
         f"{r0['params']:,} params, {steps} steps",
         "",
-        f"{'':<28}{'DDP + OSS(Adam)':>16}{'DDP + Adam':>14}{'ratio':>8}",
+        f"{'':<28}{'DDP + OSS(Adam)':>16}{'DDP + Adam':>14}{RATIO:>10}",
         f"{'training iteration':<28}{ours * 1e3:>13.2f} ms{theirs * 1e3:>11.2f} ms"
-        f"{ours / theirs:>7.2f}x",
+        f"{ours / theirs:>9.2f}x",
     ]
     for rank, r in enumerate(results):
         share = r["state"] / max(r["ref_state"], 1)
         lines.append(
             f"{f'optimizer state, rank {rank}':<28}{format_bytes(r['state']):>16}"
-            f"{format_bytes(r['ref_state']):>14}{share:>7.2f}x"
+            f"{format_bytes(r['ref_state']):>14}{share:>9.2f}x"
         )
-    lines += [
-        "",
-        "training iteration: forward, backward (DDP's gradient all-reduce) and step (OSS: the",
-        "  shard's step and the parameter sync), median of the slowest rank after the first step",
-        "optimizer state: bytes of the state tensors this rank's optimizer holds",
-        "",
-        f"{'step':>4}  {'loss (OSS)':>12}  {'loss (Adam)':>12}  same",
-    ]
-    for i in range(0, steps, max(1, steps // 10)):
-        a, b = r0["losses"][i], r0["ref_losses"][i]
-        lines.append(f"{i:>4}  {a:>12.6f}  {b:>12.6f}  {'yes' if a == b else 'NO'}")
+    lines += ["", *_explained(ours, theirs, r0, world), "", *_loss_rows(r0, steps)]
     same = all(r["identical"] for r in results) and all(
         r["losses"] == r["ref_losses"] for r in results
     )

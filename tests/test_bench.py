@@ -23,7 +23,15 @@ from oss_plus.bench import (
     zero2,
 )
 from oss_plus.bench.impls import IMPLS, Impl
-from oss_plus.bench.step_bench import BenchConfig, run
+from oss_plus.bench.step_bench import (
+    ALL_IMPLS,
+    FULL_SWEEP_SIZES,
+    MAIN_IMPLS,
+    BenchConfig,
+    BenchResult,
+    run,
+)
+from oss_plus.bench.summary import WIDTH, summary_table
 from oss_plus.cli import build_parser, main
 from oss_plus.runtime.launch import visible_gpus
 
@@ -87,17 +95,55 @@ def test_bench_writes_every_row_with_consistent_bytes(tiny_run):
     assert data["machine"]["threads_per_rank"] >= 1
 
 
-def test_bench_prints_a_table_and_draws_a_plot(tiny_run):
+def result_of(data: dict) -> BenchResult:
+    """The BenchResult a bench.json was written from."""
+    return BenchResult(**{k: v for k, v in data.items() if k != "ratios"})
+
+
+def test_bench_prints_the_json_path_first_then_a_summary_within_100_columns(tiny_run):
     _, data, out, text = tiny_run
-    assert "CPU ms" in text and "oss_plus sync only" in text
-    assert "no schedule finishes it in under" in text
-    assert "bytes per element it sends compressed" in text
+    lines = text.splitlines()
+    assert lines[0].startswith(f"oss-plus bench: results go to {out / 'bench.json'}")
+    table = lines[lines.index("") + 1 :]  # the summary (the path lines may be long)
+    summary = summary_table(result_of(data))
+    assert "\n".join(table).startswith(summary) and summary.count("\n") > len(ROWS.split(","))
+    assert max(len(line) for line in summary.splitlines()) <= WIDTH
+    assert "CPU ms" not in text  # the wide table: --details
+    # every ratio is the row's figure over oss_plus's, in the time and the state columns
+    rows = data["rows"]
+    for key, row in rows.items():
+        (line,) = [x for x in summary.splitlines() if x.startswith(IMPLS[key].label + "  ")]
+        cells = line[len(IMPLS[key].label) :].split()
+        ratio_time = row["step_s"] / rows["oss_plus"]["step_s"]
+        ratio_state = max(row["state_bytes"]) / max(rows["oss_plus"]["state_bytes"])
+        assert float(cells[1]) == pytest.approx(ratio_time, abs=0.006), key
+        assert float(cells[3]) == pytest.approx(ratio_state, abs=0.006), key
+        assert (cells[4] == "-") == ("rss" not in row), key  # peak RSS: measured rows only
+    assert float(cells[3]) == 1.0 and "x oss_plus: the row's figure over" in summary
+
+
+def test_details_keep_every_column(tiny_run):
+    _, data, out, _ = tiny_run
+    result = result_of(data)
+    details = report.table(result) + "\n".join(report.summary_lines(result))
+    assert "CPU ms" in details and "oss_plus sync only" in details
+    assert "no schedule finishes it in under" in details
+    assert "bytes per element it sends compressed" in details
+
+
+def test_bench_draws_a_plot_or_says_how_to_get_one(tiny_run, monkeypatch):
+    _, data, out, text = tiny_run
+    assert "pip install oss_plus" not in text and "oss_plus[docs]" not in text
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert report.plot(result_of(data), out / "none.png") == report.NO_PLOT
+    assert 'pip install -e ".[docs]"' in report.NO_PLOT and not (out / "none.png").exists()
+    monkeypatch.undo()
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").stat().st_size > 0
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_missing_peers_are_skipped_with_a_note(monkeypatch):
+def test_missing_peers_are_skipped_with_a_note(monkeypatch, capfd):
     ghost = Impl(
         "fairscale", "fairscale OSS", IMPLS["fairscale"].build, needs="not_a_real_package_x"
     )
@@ -119,6 +165,28 @@ def test_missing_peers_are_skipped_with_a_note(monkeypatch):
     assert any("skipping ['fairscale']" in line for line in lines)
     text = report.table(result)
     assert "skipped fairscale OSS: not_a_real_package_x is not installed" in text
+    assert "skipped fairscale OSS: not_a_real_package_x" in summary_table(result)
+    # rank 0 said on stderr how far the timing was (the parent's fd 2, inherited)
+    err = capfd.readouterr().err
+    assert "[bench] timing 1/1: 0.02M params, round 1 of 1 (1 rows x 1 steps" in err
+    assert "done in" in err
+
+
+def test_progress_lines_extrapolate_what_is_left():
+    from oss_plus.bench.progress import Progress
+
+    line = Progress("memory", 4, then="size sweep").line(1, "RSS of floor", 30.0)
+    assert (
+        line
+        == "[bench] memory 1/4: RSS of floor; 30 s so far, about 1 min 30 s left, then size sweep"
+    )
+    assert Progress("memory", 4).line(4, "x", 61).endswith("; done in 1 min 1 s")
+    cfg = BenchConfig(sweep_sizes=(5.0, 20.0), sweep_worlds=(1,))
+    ahead = step_bench.phases_ahead(cfg, list(MAIN_IMPLS))
+    assert list(ahead) == ["timing", "memory", "size sweep", "world sweep"]
+    assert ahead["size sweep"] == "size sweep (5M params)"  # 20M: the main run's point
+    assert step_bench._then(ahead, "timing") == "memory (7 rows, fresh ranks each) and 2 more"
+    assert step_bench._then(ahead, "world sweep") == ""
 
 
 def test_quick_and_flags_build_the_config():
@@ -134,6 +202,13 @@ def test_quick_and_flags_build_the_config():
     assert cfg.impls == cli.QUICK_IMPLS
     default = cli.config_from_args(build_parser().parse_args(["bench"]))
     assert default == BenchConfig() and default.layers() == 19  # 20M params of Linear(1024, 1024)
+    # the default is short: the main rows, their RSS, no sweep; --full adds the rest
+    assert (default.impls, default.sweep_sizes, default.memory) == (MAIN_IMPLS, (), True)
+    full = cli.config_from_args(build_parser().parse_args(["bench", "--full", "--rounds", "2"]))
+    assert (full.impls, full.sweep_sizes, full.rounds) == (ALL_IMPLS, FULL_SWEEP_SIZES, 2)
+    assert full.memory_impls == step_bench.MEMORY_IMPLS and "fairscale_fp16" in ALL_IMPLS
+    with pytest.raises(ValueError, match="--quick and --full are different runs: pick one"):
+        cli.config_from_args(build_parser().parse_args(["bench", "--quick", "--full"]))
 
 
 def test_many_tensors_noop_run_measures_the_wrappers_alone(tmp_path):

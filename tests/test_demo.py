@@ -122,3 +122,56 @@ def test_format_bytes(n, text):
     from oss_plus.demo import format_bytes
 
     assert format_bytes(n) == text
+
+
+def fake_results(ours: float, theirs: float, steps: int = 20) -> list[dict]:
+    """Two ranks' logs as rank_main returns them: fixed times, rank 0 holding 3/8 of the state."""
+    return [
+        {
+            "losses": [0.5 + i + rank for i in range(steps)],
+            "ref_losses": [0.5 + i + rank for i in range(steps)],
+            "times": [ours] * steps,
+            "ref_times": [theirs] * steps,
+            "identical": True,
+            "state": (3 if rank == 0 else 5) * 1024,
+            "ref_state": 8 * 1024,
+            "params": 1000,
+            "ranks": "gloo ranks (cpu)",
+        }
+        for rank in range(2)
+    ]
+
+
+@pytest.mark.parametrize("ours, theirs", [(0.006, 0.004), (0.003, 0.004)])
+def test_the_report_explains_its_ratio_its_time_and_where_sharding_pays(ours, theirs):
+    from oss_plus.demo import RATIO, format_report
+
+    report = format_report(fake_results(ours, theirs), 20)
+    lines = report.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    # one ratio column, the OSS figure over the Adam one in every row
+    assert lines[2].split()[-1] == RATIO == "OSS/Adam" and "ratio" not in lines[2]
+    ratios = [line.split()[-1] for line in lines[3:6]]
+    assert ratios == [f"{ours / theirs:.2f}x", "0.38x", "0.62x"]
+    assert f"{RATIO}: the OSS figure over the Adam figure, in every row" in report
+    # why the time is what it is: the words follow the measurement
+    words = " ".join(report.split())  # the paragraphs without their line breaks
+    longer = "OSS takes longer here: at 1,000 params, stepping 1/2 of them" in words
+    assert longer == (ours > theirs)
+    assert ("OSS takes no longer here" in words) == (ours <= theirs)
+    # where sharding pays: Llama-2 7B's 6,738,415,616 params x Adam's 8 bytes, over 8 ranks
+    assert "Adam state is 53.91 GB per rank unsharded, 6.74 GB over 8 ranks:" in words
+    assert "  oss-plus plan --model llama2-7b --nodes 1 --per-node 8" in lines
+
+
+def test_the_loss_table_names_its_rank_and_steps():
+    from oss_plus.demo import format_report
+
+    lines = format_report(fake_results(0.001, 0.001), 20).splitlines()
+    head = lines.index("step    loss (OSS)   loss (Adam)  same")
+    assert lines[head - 1].startswith("rank 0's loss, steps 0, 2, ..., 18 of 20;")
+    shown = [line.split() for line in lines[head + 1 : head + 11]]
+    assert [int(cells[0]) for cells in shown] == list(range(0, 20, 2))
+    assert [float(cells[1]) for cells in shown] == [0.5 + i for i in range(0, 20, 2)]  # rank 0's
+    few = format_report(fake_results(0.001, 0.001, steps=4), 4).splitlines()
+    assert any(line.startswith("rank 0's loss, steps 0-3 of 4;") for line in few)

@@ -1,13 +1,14 @@
 """Run every example under torchrun on 2 local ranks, and the demo CLI, for a few steps.
 
 The examples and the demo choose their device as users' scripts do
-(:func:`oss_plus.runtime.launch.choose_device`): a GPU per local rank under NCCL, else gloo on the
+(:func:`oss_plus.choose_device`): a GPU per local rank under NCCL, else gloo on the
 CPU. The tests run them on the machine's own GPUs, so the expected fallback line comes from
 the device count in use; the choice itself is tested below with simulated device counts.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -18,7 +19,8 @@ import pytest
 import torch
 from helpers import run_python
 
-from oss_plus.runtime.launch import DeviceChoice, choose_device, visible_gpus
+from oss_plus import DeviceChoice, choose_device
+from oss_plus.runtime.launch import visible_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -101,6 +103,30 @@ def test_examples_fall_back_to_gloo_on_the_cpu_with_one_gpu_for_two_ranks(tmp_pa
     assert [line for line in lines if "GPU(s)" in line] == [f"1 {FALLBACK} (one GPU per local "
         "rank is needed for NCCL; --device to choose)"]  # fmt: skip
     assert "rank 1: optimizer state for" in done.stdout
+
+
+def test_examples_import_only_the_public_api():
+    """What the examples import from oss_plus is in the public modules (docs/api.rst), and
+    no ``_``-prefixed name; every example script is listed in examples/README.md."""
+    from test_public_api import PUBLIC_MODULES
+
+    scripts = sorted(EXAMPLES.glob("*.py"))
+    found = []
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("oss_plus"):
+                found += [(script.name, node.module, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                found += [
+                    (script.name, a.name, "") for a in node.names if a.name.startswith("oss_plus")
+                ]
+    assert ("_common.py", "oss_plus", "choose_device") in found
+    for name, module, imported in found:
+        assert module in PUBLIC_MODULES and not imported.startswith("_"), (name, module, imported)
+    readme = (EXAMPLES / "README.md").read_text()
+    for script in scripts:
+        if not script.name.startswith("_"):
+            assert f"examples/{script.name}" in readme, script.name
 
 
 def test_ddp_train_example():

@@ -20,7 +20,7 @@ from oss_plus.bench import state_memory
 from oss_plus.bench.state_count import count_state, storage_bytes
 from oss_plus.cli import main
 from oss_plus.planning import OPTIMIZER_STATES, model_specs
-from oss_plus.planning.report import OPTIMIZER_FLAGS
+from oss_plus.planning.report import OPTIMIZER_NEEDS_TOPOLOGY, OPTIMIZER_OR_STATE_BYTES
 
 
 @pytest.fixture
@@ -188,6 +188,18 @@ def test_plan_names_the_optimizer_and_refuses_both_flags(capsys):
     assert "bnb-adamw8bit state" in out.splitlines()[0]
     assert "state: bitsandbytes.optim.AdamW8bit" in out
     assert main([*argv, "--optimizer", "adamw8bit", "--state-bytes", "2"]) == 2
-    assert OPTIMIZER_FLAGS in capsys.readouterr().err
-    assert main(["plan", "--model", "llama2-7b", "--optimizer", "adamw8bit"]) == 2
-    assert OPTIMIZER_FLAGS in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert OPTIMIZER_OR_STATE_BYTES.format(name="adamw8bit", state_bytes=2) in err
+    assert "drop --state-bytes 2" in err and "topology" not in err  # the user gave one
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "muon"])
+def test_plan_with_an_optimizer_and_no_topology_names_the_flags_to_add(capsys, name):
+    assert main(["plan", "--model", "llama2-7b", "--optimizer", name]) == 2
+    err = capsys.readouterr().err
+    assert OPTIMIZER_NEEDS_TOPOLOGY.format(name=name) in err
+    assert "add --nodes N --per-node G" in err and "--state-bytes" not in err  # not given
+    # what the message offers instead runs: the balance table (Muon's rule by --rules)
+    assert main(["plan", "--model", "llama2-7b", "--rules", "muon", "--world-sizes", "8"]) == 0
+    assert main(["plan", "--model", "llama2-7b", "--optimizer", name, "--nodes", "1",
+                 "--per-node", "8"]) == 0  # fmt: skip

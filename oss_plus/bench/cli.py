@@ -1,18 +1,32 @@
 """``oss-plus bench`` (``python -m oss_plus bench``): the benchmarks from the command line.
 
-The step benchmark by default; ``--ddp`` for full DDP iterations, ``--checkpoint`` for
-checkpoint save / load, ``--state-memory`` for the optimizer-state bytes of low-bit optimizers.
+The step benchmark by default: the main rows (:data:`~oss_plus.bench.step_bench.MAIN_IMPLS`),
+3 rounds, the RSS of each, no sweeps (about a minute of 2 idle cores); ``--quick`` one round,
+``--full`` every row and the size sweep. It prints where the JSON goes first, a line of
+progress on stderr per round and row, then a summary within 100 columns
+(:mod:`oss_plus.bench.summary`; ``--details``: every column). ``--ddp`` for full DDP
+iterations, ``--checkpoint`` for checkpoint save / load, ``--state-memory`` for the
+optimizer-state bytes of low-bit optimizers.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 from oss_plus.bench import report
 from oss_plus.bench.impls import IMPLS
-from oss_plus.bench.step_bench import BenchConfig, run
+from oss_plus.bench.progress import PREFIX, say
+from oss_plus.bench.step_bench import (
+    ALL_IMPLS,
+    FULL_SWEEP_SIZES,
+    MEMORY_IMPLS,
+    BenchConfig,
+    run,
+)
+from oss_plus.bench.summary import summary_table
 
 #: ``--quick``: one round, few steps, no sweeps; the main rows only.
 QUICK = {
@@ -24,6 +38,8 @@ QUICK = {
     "sweep_worlds": (),
 }
 QUICK_IMPLS = ("oss_plus", "oss_plus_bf16", "fairscale", "torch_zero_bv", "unsharded", "floor")
+#: ``--full``: every row (but the opt-in control), the RSS of the main rows, the size sweep.
+FULL = {"impls": ALL_IMPLS, "sweep_sizes": FULL_SWEEP_SIZES, "memory_impls": MEMORY_IMPLS}
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -39,12 +55,16 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Build the :class:`BenchConfig` the flags describe (``--quick`` first, flags override).
+    """Build the :class:`BenchConfig` the flags describe (``--quick`` or ``--full`` first,
+    flags override).
 
     Raises:
-        ValueError: an invalid value (see :class:`BenchConfig`).
+        ValueError: an invalid value (see :class:`BenchConfig`), or --quick with --full.
     """
+    if args.quick and args.full:
+        raise ValueError("--quick and --full are different runs: pick one")
     values: dict[str, Any] = dict(QUICK, impls=QUICK_IMPLS) if args.quick else {}
+    values.update(FULL if args.full else {})
     flags = {
         "size": args.size,
         "width": args.width,
@@ -111,18 +131,26 @@ def _run(args: argparse.Namespace) -> int:
         from oss_plus.bench import checkpoint_bench
 
         return checkpoint_bench.main_from_args(args)
+    return _step_bench(args)
+
+
+def _step_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    result = run(cfg, log=lambda line: print(f"[bench] {line}", flush=True))
+    out = Path(args.out)
+    plot = "" if args.no_plot else f" and {out / 'bench.png'}"
+    print(f"oss-plus bench: results go to {out / 'bench.json'}{plot}; progress on stderr")
+    sys.stdout.flush()
+    result = run(cfg, log=lambda line: say(f"{PREFIX} {line}"))
+    report.to_json(result, out / "bench.json")
     print()
-    print(report.table(result))
-    print()
-    for line in report.summary_lines(result):
+    print(summary_table(result, str(out / "bench.json")))
+    if args.details:
+        print("\n" + report.table(result) + "\n")
+        print("\n".join(report.summary_lines(result)))
+    for line in report.sweep_lines(result):
         print(line)
     for key, text in result.profiles.items():
         print(f"\ntorch.profiler, rank 0, 5 steps of {key}:\n{text}")
-    out = Path(args.out)
-    report.to_json(result, out / "bench.json")
-    print(f"results: {out / 'bench.json'}")
     if not args.no_plot:
         print(report.plot(result, out / "bench.png"))
     return 0
@@ -138,10 +166,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "torch ZeRO (with and without parameters_as_bucket_view), the unsharded "
         "optimizer and the shard floor side by side: step time, wire bytes, "
         "optimizer state per rank, RSS, clip_grad_norm time. Peers that are not "
-        "installed are skipped.",
+        "installed are skipped. By default the main rows, 3 rounds and their RSS (about a "
+        "minute on 2 cores), then a summary; --full for every row and the size sweep.",
     )
     add = bench.add_argument
-    add("--quick", action="store_true", help="one short round of the main rows, no sweeps")
+    add("--quick", action="store_true", help="one short round of the main rows")
+    add(
+        "--full",
+        action="store_true",
+        help="every row, the RSS of the main ones and the size sweep (several minutes)",
+    )
+    add("--details", action="store_true", help="also print the table of every column")
     add("--size", type=float, help=f"model size in M params (default {defaults.size:g})")
     add("--width", type=int, help=f"Linear width (default {defaults.width})")
     add("--world-size", type=int, help=f"ranks (default {defaults.world_size})")
@@ -160,11 +195,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("--steps", type=int, help=f"timed steps per round (default {defaults.steps})")
     add("--warmup", type=int, help=f"untimed steps per round (default {defaults.warmup})")
     add("--rounds", type=int, help=f"rounds, order rotated each round (default {defaults.rounds})")
-    add("--impls", help="comma-separated rows (default all but oss_plus_again): " + ",".join(IMPLS))
+    add(
+        "--impls",
+        help=f"comma-separated rows (default {','.join(defaults.impls)}; --full: all but "
+        "oss_plus_again): " + ",".join(IMPLS),
+    )
     add(
         "--sweep-sizes",
-        help="model sizes (M) to sweep, '' for none (default "
-        + ",".join(f"{s:g}" for s in defaults.sweep_sizes)
+        help="model sizes (M) to sweep, '' for none (default none; --full: "
+        + ",".join(f"{s:g}" for s in FULL_SWEEP_SIZES)
         + ")",
     )
     add("--sweep-worlds", help="world sizes to sweep, e.g. 1,2,4 (default none)")

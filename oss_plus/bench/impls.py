@@ -101,7 +101,7 @@ class Impl:
     def missing(self) -> str | None:
         """Return why this row cannot run here, or None when it can."""
         if self.needs and importlib.util.find_spec(self.needs) is None:
-            return f"{self.needs} is not installed (pip install oss_plus[{self.needs}])"
+            return f"{self.needs} is not installed (pip install {self.needs})"
         return None
 
 

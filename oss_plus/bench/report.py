@@ -11,6 +11,12 @@ from oss_plus.bench.impls import IMPLS, PEERS
 from oss_plus.bench.step_bench import BenchResult
 
 MB = 2**20
+#: Said instead of the plot where matplotlib is missing (oss_plus is not on the package index:
+#: the hint works from a source checkout).
+NO_PLOT = (
+    "no plot: matplotlib is not installed (pip install matplotlib; in a source checkout also "
+    'pip install -e ".[docs]")'
+)
 
 
 def ratios(result: BenchResult) -> dict[str, dict[str, float | None]]:
@@ -127,9 +133,14 @@ def table(result: BenchResult) -> str:
     )
     for key, reason in result.skipped.items():
         lines.append(f"skipped {IMPLS[key].label}: {reason}")
-    lines += _sweep_lines("step ms by model size (M params)", result.size_sweep)
-    lines += _sweep_lines("step ms by world size", result.world_sweep)
     return "\n".join(lines)
+
+
+def sweep_lines(result: BenchResult) -> list[str]:
+    """The sweeps' tables (none without sweeps): step ms by model size and by world size."""
+    return _sweep_lines("step ms by model size (M params)", result.size_sweep) + _sweep_lines(
+        "step ms by world size", result.world_sweep
+    )
 
 
 _WIDTHS = [30, 8, 7, 7, 8, 5, 9, 7, 5, 8, 9, 6, 7, 7, 6, 8, 8, 0]
@@ -173,7 +184,7 @@ def plot(result: BenchResult, path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install oss_plus[docs])"
+        return NO_PLOT
     sweeps = [
         (sweep, label)
         for sweep, label in (

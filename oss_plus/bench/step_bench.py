@@ -30,11 +30,26 @@ from typing import Any
 import torch
 
 from oss_plus.bench.impls import IMPLS, OPT_IN, check_common, linear_layers
+from oss_plus.bench.progress import Progress
 from oss_plus.bench.step_ranks import memory_rank, profile_rank, timing_rank
 from oss_plus.runtime.launch import pick_backend, run_local, threads_per_rank
 
 #: Rows of the size / world-size sweeps (when available).
 SWEEP_IMPLS = ("oss_plus", "fairscale", "torch_zero_bv", "floor")
+#: Rows of the default run: oss_plus (fp32 and bf16 wire), its peers and the two references.
+MAIN_IMPLS = (
+    "oss_plus",
+    "oss_plus_bf16",
+    "fairscale",
+    "torch_zero",
+    "torch_zero_bv",
+    "unsharded",
+    "floor",
+)
+#: Every row but the opt-in ones (``--full``).
+ALL_IMPLS = tuple(k for k in IMPLS if k not in OPT_IN)
+#: Model sizes (M params) of ``--full``'s size sweep.
+FULL_SWEEP_SIZES = (5.0, 20.0, 50.0)
 #: Rows whose RSS is measured by default (the transport variants share oss_plus's layout).
 MEMORY_IMPLS = (
     "oss_plus",
@@ -64,8 +79,8 @@ class BenchConfig:
     warmup: int = 2
     rounds: int = 3
     memory_steps: int = 3
-    impls: tuple[str, ...] = tuple(k for k in IMPLS if k not in OPT_IN)
-    sweep_sizes: tuple[float, ...] = (5.0, 20.0, 50.0)
+    impls: tuple[str, ...] = MAIN_IMPLS
+    sweep_sizes: tuple[float, ...] = ()
     sweep_worlds: tuple[int, ...] = ()
     sweep_impls: tuple[str, ...] = SWEEP_IMPLS
     memory: bool = True
@@ -170,31 +185,66 @@ def _on_ranks(cfg: BenchConfig, fn: Any, world: int, *args: Any) -> list[Any]:
     return run_local(fn, world, *args, backend=backend, threads=cfg.threads)
 
 
-def _timing(cfg: BenchConfig, result: BenchResult, keys: list[str], log: Any) -> None:
+def phases_ahead(cfg: BenchConfig, keys: list[str]) -> dict[str, str]:
+    """Each phase ``cfg`` runs, in order, and what it is in a few words (for the progress)."""
+    memory = [
+        k for k in keys if k in (MEMORY_IMPLS if cfg.memory_impls is None else cfg.memory_impls)
+    ]
+    sizes = [s for s in cfg.sweep_sizes if s != cfg.size]
+    ahead = {"timing": f"timing ({len(keys)} rows x {cfg.rounds} rounds)"}
+    if cfg.memory and memory:
+        ahead["memory"] = f"memory ({len(memory)} rows, fresh ranks each)"
+    if sizes:
+        ahead["size sweep"] = "size sweep (" + ", ".join(f"{s:g}" for s in sizes) + "M params)"
+    if cfg.sweep_worlds:
+        ahead["world sweep"] = f"world-size sweep ({', '.join(map(str, cfg.sweep_worlds))} ranks)"
+    if cfg.profile:
+        ahead["profile"] = f"profiles ({', '.join(cfg.profile)})"
+    return ahead
+
+
+def _then(ahead: dict[str, str], phase: str) -> str:
+    """What runs after ``phase``: the phases that follow it in ``ahead``."""
+    names = list(ahead)
+    later = names[names.index(phase) + 1 :] if phase in ahead else []
+    if not later:
+        return ""
+    more = f" and {len(later) - 1} more" if len(later) > 1 else ""
+    return ahead[later[0]] + more
+
+
+def _timing(
+    cfg: BenchConfig, result: BenchResult, keys: list[str], log: Any, then: str = ""
+) -> None:
     backend, threads = result.machine["backend"], result.machine["threads_per_rank"]
     log(
         f"timing {len(keys)} implementations: {cfg.size:g}M params, {cfg.world_size} ranks "
         f"({backend}, {threads} thread(s) each), {cfg.rounds} rounds x {cfg.steps} steps"
     )
-    timed = _on_ranks(cfg, timing_rank, cfg.world_size, cfg, keys, [cfg.size])[0]
+    progress = Progress("timing", 0, then)  # its total: counted by the ranks
+    timed = _on_ranks(cfg, timing_rank, cfg.world_size, cfg, keys, [cfg.size], progress)[0]
     result.rows = {k: _summary(v) for k, v in timed[str(cfg.size)].items()}
     result.machine["timing_mode"] = timed[f"mode {cfg.size}"]
 
 
-def _memory(cfg: BenchConfig, result: BenchResult, keys: list[str], log: Any) -> None:
+def _memory(cfg: BenchConfig, result: BenchResult, keys: list[str], then: str = "") -> None:
     chosen = MEMORY_IMPLS if cfg.memory_impls is None else cfg.memory_impls
-    for key in [k for k in keys if k in chosen]:
-        log(f"memory: {key} (fresh ranks)")
+    measured = [k for k in keys if k in chosen]
+    ticker = Progress("memory", len(measured), then).start()
+    for key in measured:
         result.rows[key]["rss"] = _on_ranks(cfg, memory_rank, cfg.world_size, cfg, key)
+        ticker.tick(f"RSS of {key} (fresh ranks)")
 
 
-def _sweeps(cfg: BenchConfig, result: BenchResult, log: Any) -> None:
+def _sweeps(cfg: BenchConfig, result: BenchResult, log: Any, ahead: dict[str, str]) -> None:
     keys = _available(cfg.sweep_impls, {})
     sweep_cfg = replace(cfg, rounds=max(1, cfg.rounds - 1))
     sizes = [s for s in cfg.sweep_sizes if s != cfg.size]
     if sizes:
         log(f"size sweep {sizes}M params: {keys}")
-        swept = _on_ranks(cfg, timing_rank, cfg.world_size, sweep_cfg, keys, sizes)[0]
+        progress = Progress("size sweep", 0, _then(ahead, "size sweep"))
+        args = (sweep_cfg, keys, sizes, progress)
+        swept = _on_ranks(cfg, timing_rank, cfg.world_size, *args)[0]
         for size in sizes:
             result.size_sweep[str(size)] = {
                 k: v["step_s"] for k, v in ((k, _summary(v)) for k, v in swept[str(size)].items())
@@ -204,13 +254,14 @@ def _sweeps(cfg: BenchConfig, result: BenchResult, log: Any) -> None:
             k: result.rows[k]["step_s"] for k in keys if k in result.rows
         }
         result.size_sweep = dict(sorted(result.size_sweep.items(), key=lambda kv: float(kv[0])))
+    ticker = Progress("world sweep", len(cfg.sweep_worlds), _then(ahead, "world sweep")).start()
     for world in cfg.sweep_worlds:
-        log(f"world-size sweep: {world} rank(s), {cfg.size:g}M params: {keys}")
         world_cfg = replace(sweep_cfg, world_size=world)
         swept = _on_ranks(cfg, timing_rank, world, world_cfg, keys, [cfg.size])[0]
         result.world_sweep[str(world)] = {
             k: _summary(v)["step_s"] for k, v in swept[str(cfg.size)].items()
         }
+        ticker.tick(f"{world} rank(s), {cfg.size:g}M params, rows {keys}")
 
 
 def _profile(cfg: BenchConfig, result: BenchResult, log: Any) -> None:
@@ -244,10 +295,12 @@ def run(cfg: BenchConfig, log: Any = print) -> BenchResult:
     keys = _available(cfg.impls, result.skipped)
     for reason in sorted(set(result.skipped.values())):
         log(f"skipping {[k for k, r in result.skipped.items() if r == reason]}: {reason}")
-    phases = {"timing": lambda: _timing(cfg, result, keys, log)}
+    ahead = phases_ahead(cfg, keys)
+    log("phases: " + ", ".join(ahead.values()))
+    phases = {"timing": lambda: _timing(cfg, result, keys, log, _then(ahead, "timing"))}
     if cfg.memory:
-        phases["memory"] = lambda: _memory(cfg, result, keys, log)
-    phases["sweeps"] = lambda: _sweeps(cfg, result, log)
+        phases["memory"] = lambda: _memory(cfg, result, keys, _then(ahead, "memory"))
+    phases["sweeps"] = lambda: _sweeps(cfg, result, log, ahead)
     if cfg.profile:
         phases["profile"] = lambda: _profile(cfg, result, log)
     durations = {}

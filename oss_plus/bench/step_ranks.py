@@ -11,6 +11,7 @@ import gc
 import os
 import random
 import resource
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,7 @@ from oss_plus.bench.measure import (
     synchronize,
     timed,
 )
+from oss_plus.bench.progress import Progress, Ticker
 from oss_plus.runtime import dist as _dist
 
 if TYPE_CHECKING:
@@ -122,9 +124,11 @@ def orders(keys: list[str], count: int, seed: int) -> list[list[str]]:
     return made
 
 
-def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor) -> dict:
+def _interleaved(
+    cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor, ticker: Ticker | None
+) -> dict:
     """Every row alive at once, one step of each in turn (:func:`orders`): a noisy neighbour
-    slows every row alike."""
+    slows every row alike. ``ticker`` (rank 0's) ticks after each round of ``steps`` steps."""
     runners = {k: IMPLS[k].build(make_params(cfg, size), cfg.optimizer) for k in keys}
     for _ in range(cfg.warmup):
         for runner in runners.values():
@@ -132,9 +136,16 @@ def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
     host: dict[str, list[float]] = {k: [] for k in keys}
-    for order in orders(keys, cfg.rounds * cfg.steps, cfg.seed):
+    if ticker is not None:
+        ticker.ready()
+    for i, order in enumerate(orders(keys, cfg.rounds * cfg.steps, cfg.seed), 1):
         for key in order:
             times[key] += timed(runners[key].step, 1, slowest, cpu[key], host[key])
+        if ticker is not None and i % cfg.steps == 0:
+            ticker.tick(
+                f"{size:g}M params, round {i // cfg.steps} of {cfg.rounds} "
+                f"({len(keys)} rows x {cfg.steps} steps, interleaved)"
+            )
     rows = {}
     for key, runner in runners.items():
         rows[key] = _measure(runner, slowest, 0, 0, device(cfg.device))
@@ -142,10 +153,13 @@ def _interleaved(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.
     return rows
 
 
-def _blocks(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor) -> dict:
-    """One row at a time, built fresh for each of ``rounds`` rounds (:func:`orders`)."""
+def _blocks(
+    cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tensor, ticker: Ticker | None
+) -> dict:
+    """One row at a time, built fresh for each of ``rounds`` rounds (:func:`orders`);
+    ``ticker`` (rank 0's) ticks after each row of each round."""
     rows: dict[str, dict[str, Any]] = {}
-    for order in orders(keys, cfg.rounds, cfg.seed):
+    for round_, order in enumerate(orders(keys, cfg.rounds, cfg.seed), 1):
         for key in order:
             runner = IMPLS[key].build(make_params(cfg, size), cfg.optimizer)
             result = _measure(runner, slowest, cfg.warmup, cfg.steps, device(cfg.device))
@@ -154,23 +168,35 @@ def _blocks(cfg: BenchConfig, keys: list[str], size: float, slowest: torch.Tenso
                 row[series] += result[series]
             del runner
             gc.collect()
+            if ticker is not None:
+                ticker.tick(f"{size:g}M params, round {round_} of {cfg.rounds}: {key}")
     return rows
 
 
 def timing_rank(
-    rank: int, world: int, cfg: BenchConfig, keys: list[str], sizes: list[float]
+    rank: int,
+    world: int,
+    cfg: BenchConfig,
+    keys: list[str],
+    sizes: list[float],
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Time every row of ``keys`` at every size in ``sizes`` (rank 0's result is used).
 
     Rows are interleaved step by step when they all fit in memory, else run in blocks.
+    With ``progress``, rank 0 says on stderr after each round (each row of a round in
+    blocks) how far the timing is (its ``total`` is counted here).
     """
     slowest = torch.zeros(1, dtype=torch.float64, device=comm_device())
     out: dict[str, Any] = {"threads": torch.get_num_threads()}
+    fits = {size: cfg.interleave and _fits_interleaved(cfg, keys, size) for size in sizes}
+    units = sum(cfg.rounds * (1 if fits[size] else len(keys)) for size in sizes)
     _warm_up(cfg, max(sizes))
+    ticker = replace(progress, total=units).start() if progress and rank == 0 else None
     for size in sizes:
-        fits = cfg.interleave and _fits_interleaved(cfg, keys, size)
-        out[f"mode {size}"] = "interleaved" if fits else "blocks"
-        out[str(size)] = (_interleaved if fits else _blocks)(cfg, keys, size, slowest)
+        out[f"mode {size}"] = "interleaved" if fits[size] else "blocks"
+        run = _interleaved if fits[size] else _blocks
+        out[str(size)] = run(cfg, keys, size, slowest, ticker)
         gc.collect()
     return out
 

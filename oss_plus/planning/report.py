@@ -68,10 +68,15 @@ __all__ = [
 DEFAULT_RULES = (Rule.FAIRSCALE, Rule.TORCH, Rule.FLAT)
 #: Optimizer-state bytes per element without --state-bytes or --optimizer (Adam: 2 x fp32).
 DEFAULT_STATE_BYTES = 8
-#: Raised for --optimizer together with --state-bytes, or without a topology.
-OPTIMIZER_FLAGS = (
-    "--optimizer sets the state bytes itself and goes with --nodes and --per-node: "
-    "give --optimizer or --state-bytes, not both, and a topology (e.g. --nodes 1 --per-node 8)"
+#: Raised for --optimizer without a topology ({name}: the optimizer given).
+OPTIMIZER_NEEDS_TOPOLOGY = (
+    "--optimizer {name} counts each rank's memory at a topology: add --nodes N --per-node G "
+    "(e.g. --nodes 1 --per-node 8), or drop --optimizer for the balance table alone"
+)
+#: Raised for --optimizer together with --state-bytes.
+OPTIMIZER_OR_STATE_BYTES = (
+    "--optimizer {name} sets the state bytes itself: drop --state-bytes {state_bytes:g}, or "
+    "drop --optimizer to count {state_bytes:g} B of state per element"
 )
 #: Printed instead of the flat rule's rows for a block-quantized optimizer.
 FLAT_REFUSED = (
@@ -251,8 +256,12 @@ def _plan(args: argparse.Namespace) -> int:
     if args.rules is None:
         args.rules = list(muon.MUON_RULES if args.optimizer == "muon" else DEFAULT_RULES)
     topology = args.nodes is not None or args.per_node is not None
-    if args.optimizer is not None and (args.state_bytes is not None or not topology):
-        raise ValueError(OPTIMIZER_FLAGS)
+    if args.optimizer is not None and args.state_bytes is not None:
+        raise ValueError(
+            OPTIMIZER_OR_STATE_BYTES.format(name=args.optimizer, state_bytes=args.state_bytes)
+        )
+    if args.optimizer is not None and not topology:
+        raise ValueError(OPTIMIZER_NEEDS_TOPOLOGY.format(name=args.optimizer))
     if topology:
         return _scale(args, name, specs)
     rows = balance_rows(specs, args.world_sizes, args.rules, args.align)
