@@ -72,12 +72,17 @@ class ExtraKeySGD(torch.optim.SGD):
 
 class KeyedStateSGD(torch.optim.SGD):
     """SGD whose ``state`` also holds entries not keyed by a param (as SPAM's
-    ``total_step``): a count and a 0-dim tensor that decays the step."""
+    ``total_step``): a count and a 0-dim tensor that decays the step. Like SPAM's masks, each
+    param has state from the constructor on (``born``), so torch's DCP does not step a fresh
+    one to make its template: OSS must (it would miss the momentum otherwise)."""
 
     def __init__(self, params, lr=0.1):
         super().__init__(params, lr=lr, momentum=0.9)
         self.state["count"] = 0
         self.state["decay"] = torch.tensor(1.0, dtype=torch.float64)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["born"] = torch.zeros(())
 
     @torch.no_grad()
     def step(self, closure=None):
