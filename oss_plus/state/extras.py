@@ -226,26 +226,41 @@ def detach(sd: Mapping[Any, Any]) -> tuple[dict[str, Any], Extras]:
                 state[key] = dict(value) if isinstance(value, Mapping) else value
         tree[STATE] = {k: v for k, v in sd[STATE].items() if k not in known and not _is_id(k)}
     for key, value in sd.items():
-        if key in (STATE, GROUPS) and top:
-            continue
-        if key in nodes:
-            parts.append((key, NODE))
-            for i, entry in value[STATE].items():
-                if i in known:
-                    state.setdefault(i, {})[PREFIX + str(key)] = entry
-            rest = {k: v for k, v in value.items() if k != GROUPS}
-            rest[STATE] = {k: v for k, v in value[STATE].items() if k not in known}
-            tree[key] = rest
-        elif _is_pairs(value, ids):
-            parts.append((key, PAIRS))
-            for (g, n), entry in value.items():
-                state.setdefault(ids[g][n], {})[PREFIX + str(key)] = entry
-        else:
-            tree[key] = value
+        if not (key in (STATE, GROUPS) and top):
+            kind = _take(key, value, key in nodes, ids, state, tree)
+            parts += [(key, kind)] if kind else []
     ordered = {i: state[i] for g in ids for i in g if i in state}
     ordered.update({i: v for i, v in state.items() if i not in ordered})
     form = {STATE: ordered, GROUPS: groups}
     return form, Extras(tree, tuple(sd), top, tuple(parts))
+
+
+def _take(
+    key: Any,
+    value: Any,
+    node: bool,
+    ids: Sequence[Sequence[Any]],
+    state: dict[Any, dict[Any, Any]],
+    tree: dict[Any, Any],
+) -> str | None:
+    """Put a top-level ``value`` of a state dict where :func:`detach` keeps it: a nested
+    part's per-param entries into ``state`` (its other keys into ``tree``), anything else
+    into ``tree``; return the part's kind (None: not a part)."""
+    known = {i for g in ids for i in g}
+    if node:
+        for i, entry in value[STATE].items():
+            if i in known:
+                state.setdefault(i, {})[PREFIX + str(key)] = entry
+        rest = {k: v for k, v in value.items() if k != GROUPS}
+        rest[STATE] = {k: v for k, v in value[STATE].items() if k not in known}
+        tree[key] = rest
+        return NODE
+    if _is_pairs(value, ids):
+        for (g, n), entry in value.items():
+            state.setdefault(ids[g][n], {})[PREFIX + str(key)] = entry
+        return PAIRS
+    tree[key] = value
+    return None
 
 
 def attach(form: Mapping[str, Any], extras: Extras) -> dict[Any, Any]:
