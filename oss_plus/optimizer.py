@@ -29,6 +29,7 @@ from oss_plus.planning.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
+from oss_plus.state.extras import Extras
 from oss_plus.state.index import ParamState, copy_hyper
 from oss_plus.step import params as _params
 from oss_plus.step.coupling import refuse_cross_param
@@ -193,7 +194,11 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         return self._replanner.export_state()
 
     def import_local_state(
-        self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None = None
+        self,
+        states: Mapping[int, ParamState],
+        param_groups: list[dict[str, Any]] | None = None,
+        *,
+        extras: Extras | None = None,
     ) -> None:
         """Load the states of the params this rank owns (flat index -> state).
 
@@ -204,12 +209,15 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         1-D, as :meth:`export_local_state` gives them, is taken as it is). With
         ``param_groups`` (state-dict form), their hyperparameters are loaded first. An
         ``"oss_plus.main"`` entry (exact values, :meth:`export_local_state`) goes to the
-        main copies, never to the inner optimizer. Not collective.
+        main copies, never to the inner optimizer. ``extras``: what the inner optimizer's
+        ``state_dict()`` holds beyond per-param state and groups, for its
+        ``load_state_dict`` (:mod:`oss_plus.state.extras`; ``local_shard.extras()`` gives
+        them). Not collective.
 
         Raises:
             ValueError: an ``"oss_plus.main"`` entry whose size is not its param's.
         """
-        self._replanner.import_state(states, param_groups)
+        self._replanner.import_state(states, param_groups, extras)
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:

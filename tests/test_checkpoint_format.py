@@ -213,7 +213,7 @@ def test_the_index_round_trips_through_its_json_text():
     ("change", "message"),
     [
         ({"format": "other"}, "not an oss_plus checkpoint index"),
-        ({"format_version": 6}, "format version 6.*reads versions 1, 2, 3, 4, 5 only.*upgrade"),
+        ({"format_version": 7}, "format version 7.*reads versions 1, 2, 3, 4, 5, 6 only.*upgrade"),
         ({"format_version": True}, "format version True.*damaged"),
         ({"format_version": "1"}, "format version '1'.*damaged"),
         ({"layout": "striped"}, "unknown layout"),

@@ -38,12 +38,23 @@ def case_of(name: str, rule: str) -> Case:
         entry.normalize,
         context=zoo.eager,
         oss=RULES[rule],
+        refused=entry.refused,
         **extra,
     )
 
 
-@pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("name", zoo.params(paths=True))
+def _runs() -> list:
+    """(name, rule) pytest params: every rule, or the default only (``Zoo.all_rules``)."""
+    return [
+        pytest.param(p.values[0], rule, id=f"{p.id}-{rule}", marks=p.marks)
+        for rule in RULES
+        for p in zoo.params(paths=True)
+        if rule == "default" or zoo.ZOO[p.values[0]].all_rules
+    ]
+
+
+@pytest.mark.parametrize(("name", "rule"), _runs())
 def test_every_state_path_matches_the_unsharded_optimizer(pool, tmp_path, name, rule):
-    got = pool.run(every_path_task, case_of(name, rule), str(tmp_path), world_size=3, timeout=300)
-    assert got == expected_paths()
+    case = case_of(name, rule)
+    got = pool.run(every_path_task, case, str(tmp_path), world_size=3, timeout=300)
+    assert got == expected_paths(case.refused)

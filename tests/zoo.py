@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -32,6 +32,11 @@ class Zoo:
     normalize: Callable[[dict], Any] | None = None
     #: runs the every-path harness (tests/test_zoo.py), which saves in train mode
     paths: bool = True
+    #: DCP option sets refused at the save, with a fragment of the error (see state_paths.Case)
+    refused: Mapping[str, str] = field(default_factory=dict)
+    #: runs the harness under every rule of tests/test_zoo.py (else the default rule only:
+    #: the rules differ in owners, the state paths are the same code; CI time)
+    all_rules: bool = True
 
 
 def _attr(module: str, name: str) -> Any:
@@ -127,6 +132,27 @@ def heavyball_steps(state):
     return stripped, max(steps, default=None)
 
 
+def po_ranger21():
+    # extra top-level keys in its state_dict(): current_lr, lookahead_step, starting_lr
+    return _attr("pytorch_optimizer", "Ranger21"), {"lr": 1e-3, "num_iterations": 100}
+
+
+def po_spam():
+    # state not keyed by a param (total_step, current_step) and a top-level 'warmup'
+    return _attr("pytorch_optimizer", "SPAM"), {"lr": 1e-3}
+
+
+def po_lookahead_of_adamw(params, **kwargs):
+    """pytorch_optimizer's ``Lookahead`` around torch's ``AdamW``, merging every 2 steps (so
+    the harness's few steps cross merges): its state_dict() nests AdamW's."""
+    lookahead = _attr("pytorch_optimizer", "Lookahead")
+    return lookahead(torch.optim.AdamW(params, **kwargs), k=2)
+
+
+def po_lookahead():
+    return po_lookahead_of_adamw, {"lr": 1e-3}
+
+
 def matrices_model(seed: int = 0) -> torch.nn.Module:
     """A model of matrices only (Muon steps 2-D params only), three of them, so that every
     one of the harness's 3 ranks owns one (torch's DCP ``full_state_dict=True`` load fails on
@@ -137,6 +163,9 @@ def matrices_model(seed: int = 0) -> torch.nn.Module:
         torch.nn.Tanh(), torch.nn.Linear(12, 4, bias=False),
     )  # fmt: skip
 
+
+#: What the optimizers with state_dict() extras refuse (tests/state_paths.py's ``refused``).
+FLAT_REFUSED = {"dcp-flat-keys": "flatten_optimizer_state_dict=True rebuilds only"}
 
 ZOO: dict[str, Zoo] = {
     "torch-Muon": Zoo("torch.optim.Muon", muon, matrices_only=True),
@@ -159,6 +188,14 @@ ZOO: dict[str, Zoo] = {
     "sf-ScheduleFreeWrapper": Zoo("schedulefree", sf_wrapper, paths=False),
     # elementwise when eager, but compiled per shape by default: not declared
     "heavyball-AdamW": Zoo("heavyball", heavyball_adamw, normalize=heavyball_steps),
+    # what their state_dict() holds beyond per-param state and param groups (issue 54)
+    # torch's flatten_optimizer_state_dict=True rebuilds only the live groups' and state's
+    # keys: refused with the reason (docs/optimizers.md)
+    "po-Ranger21": Zoo("pytorch_optimizer", po_ranger21, refused=FLAT_REFUSED, all_rules=False),
+    "po-SPAM": Zoo("pytorch_optimizer", po_spam, refused=FLAT_REFUSED, all_rules=False),
+    "po-Lookahead(AdamW)": Zoo(
+        "pytorch_optimizer", po_lookahead, refused=FLAT_REFUSED, all_rules=False
+    ),
 }
 
 

@@ -29,6 +29,7 @@ from oss_plus.checkpoint.entries import (
     piece_name,
     tensor_name,
 )
+from oss_plus.checkpoint.extras import EXTRAS_KEY, check_extras
 from oss_plus.checkpoint.fields import BAD_FIELD, need, need_int, need_ints, need_list, need_str
 from oss_plus.checkpoint.seal import seal
 from oss_plus.checkpoint.values import decode_value, encode_value
@@ -70,8 +71,12 @@ FORMAT_NAME = "oss_plus.optimizer_checkpoint"
 #: tensors stored as pieces (:class:`PiecesValue`), 4 tensor subclasses (torchao's low-bit
 #: states in a :class:`NestedValue`); they carry no index checksum.
 FORMAT_VERSION = 5
+#: The version of an index that holds the inner optimizer's extras
+#: (:mod:`oss_plus.checkpoint.extras`); one without them is written as :data:`FORMAT_VERSION`,
+#: so readers of version 5 still read every checkpoint of a ``torch.optim`` class.
+EXTRAS_VERSION = 6
 #: The versions this module reads.
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The first version whose index carries a checksum (and must).
 SEALED_VERSION = 5
 #: Name of the index inside a checkpoint directory (the commit point of a save).
@@ -202,6 +207,8 @@ class Index:
     read_version: int | None = field(default=None, compare=False)
     #: The index checksum it was read with (None: written, or an older format without one).
     index_crc32: int | None = field(default=None, compare=False)
+    #: The inner optimizer's extras (``optimizer_extras``, :mod:`oss_plus.checkpoint.extras`).
+    extras: dict[str, Any] | None = None
 
     @property
     def num_params(self) -> int:
@@ -209,8 +216,11 @@ class Index:
 
     @property
     def format_version(self) -> int:
-        """The version this index was read with, or is written with (:data:`FORMAT_VERSION`)."""
-        return FORMAT_VERSION if self.read_version is None else self.read_version
+        """The version this index was read with, or is written with (:data:`FORMAT_VERSION`,
+        :data:`EXTRAS_VERSION` when it holds extras)."""
+        if self.read_version is not None:
+            return self.read_version
+        return FORMAT_VERSION if self.extras is None else EXTRAS_VERSION
 
     @property
     def content_version(self) -> int:
@@ -230,9 +240,10 @@ class Index:
         Raises:
             TypeError: a hyperparameter or state value cannot be stored.
         """
+        extras = {} if self.extras is None else {EXTRAS_KEY: self.extras}
         return {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.extras is None else EXTRAS_VERSION,
             "layout": self.layout,
             "save_id": self.save_id,
             "created_by": self.created_by,
@@ -244,6 +255,7 @@ class Index:
             "params": self.params,
             "param_groups": encode_groups(self.param_groups, "index"),
             "files": [{"name": n, **info} for n, info in self.files.items()],
+            **extras,
             "state": encode_state(self.state),
         }
 
@@ -336,6 +348,7 @@ class Index:
             partition_rule=data.get("partition_rule"),
             created_by=str(data.get("created_by", "")),
             read_version=version,
+            extras=check_extras(data.get(EXTRAS_KEY), version, data.get("world_size"), where),
         )
         _check_counts(index, need_int(data, "num_params", where), where)
         return index

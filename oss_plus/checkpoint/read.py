@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from oss_plus.checkpoint.assemble import read_states
+from oss_plus.checkpoint.extras import for_rank, plain_extras
 from oss_plus.checkpoint.fit import check_groups
 from oss_plus.checkpoint.format import INDEX_FILE
 from oss_plus.checkpoint.plan import check_optimizer, local_pieces
 from oss_plus.checkpoint.validate import check_files, check_fits, read_index
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
+from oss_plus.state.extras import Extras, attach
 from oss_plus.state.index import per_element_keys
 from oss_plus.wire.main.region import MAIN_KEY
 
@@ -87,7 +89,7 @@ def _load(optimizer: Any, root: Path, allow_other: bool) -> None:
     """The body of :func:`load_checkpoint`, once every rank entered it."""
     optimizer.settle()  # the last step's sync done and its status raised on every rank
 
-    def read() -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    def read() -> tuple[list[dict[str, Any]], Extras | None, dict[int, dict[str, Any]]]:
         index = read_index(root)
         check_files(root, index)
         shapes = [[p.shape for p in g["params"]] for g in optimizer.param_groups]
@@ -95,13 +97,16 @@ def _load(optimizer: Any, root: Path, allow_other: bool) -> None:
         per_element = per_element_keys(optimizer.optim) | {MAIN_KEY}  # exact values too
         check_fits(index, shapes, dtypes, str(root / INDEX_FILE), per_element)
         groups = check_groups(index, optimizer, str(root / INDEX_FILE), allow_other)
+        groups, extras = for_rank(index, optimizer, groups, str(root / INDEX_FILE))
         pieces = {i: (start, end) for i, (start, end, _) in local_pieces(optimizer).items()}
         shapes_by_index = [tuple(s) for group in shapes for s in group]
         owned = optimizer.plan.owned(optimizer.rank)
-        return groups, read_states(root, index, owned, pieces, shapes_by_index)
+        return groups, extras, read_states(root, index, owned, pieces, shapes_by_index)
 
-    groups, states = _dist.run_phase(read, optimizer.group)
-    _dist.run_phase(lambda: optimizer.import_local_state(states, groups), optimizer.group)
+    groups, extras, states = _dist.run_phase(read, optimizer.group)
+    _dist.run_phase(
+        lambda: optimizer.import_local_state(states, groups, extras=extras), optimizer.group
+    )
 
 
 def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -124,5 +129,7 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     root = Path(path)
     index = read_index(root)
     check_files(root, index)
+    extras = plain_extras(index, str(root / INDEX_FILE))
     state = read_states(root, index, range(index.num_params))
-    return {"state": state, "param_groups": index.param_groups}
+    form = {"state": state, "param_groups": index.param_groups}
+    return form if extras is None else attach(form, extras)

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from oss_plus.checkpoint import background, comm, storage
+from oss_plus.checkpoint.extras import gather as gather_extras
 from oss_plus.checkpoint.format import (
     CONSOLIDATED,
     Index,
@@ -44,8 +45,10 @@ from oss_plus.checkpoint.plan import (
     split_state,
     tensor_slots,
 )
+from oss_plus.checkpoint.values import encode_value
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
+from oss_plus.state.extras import detach
 from oss_plus.state.index import NOT_A_STATE_DICT, pack_param_groups, saved_state_by_flat_index
 
 __all__ = ["execute", "make_plan", "save_checkpoint", "write_state_dict"]
@@ -196,9 +199,11 @@ def make_plan(
     target, group, rank = Path(os.path.abspath(path)), optimizer.group, optimizer.rank
     made: dict[str, Any] = {"save_id": None}
 
+    extras = gather_extras(optimizer, sharded)  # raises on every rank before any write
+
     def prepare() -> None:
         entries = split_state(optimizer.export_local_state(), local_pieces(optimizer))
-        index = describe(optimizer, layout_of(sharded), "")
+        index = replace(describe(optimizer, layout_of(sharded), ""), extras=extras)
         if snapshot is not None:  # the index must not see later changes to the groups
             entries, index = snapshot(entries), copy.deepcopy(index)
         made["index"], made["entries"] = index, entries
@@ -378,8 +383,9 @@ def write_state_dict(
         )
         raise ValueError(NOT_A_STATE_DICT.format(keys=keys))
     try:
-        by_flat = saved_state_by_flat_index(state_dict)
-        groups = pack_param_groups(state_dict["param_groups"])
+        form, extras = detach(state_dict)  # extra keys, state not keyed by a param
+        by_flat = saved_state_by_flat_index(form)
+        groups = pack_param_groups(form["param_groups"])
     except (KeyError, TypeError) as exc:
         raise ValueError(
             f"the state dict is not in the torch.optim format ({type(exc).__name__}: {exc}): "
@@ -387,6 +393,8 @@ def write_state_dict(
         ) from None
     entries, save_id = split_state(by_flat), storage.new_save_id()
     index = Index(CONSOLIDATED, save_id, groups, {}, {}, created_by=f"oss_plus {__version__}")
+    if not extras.empty:
+        index = replace(index, extras={"common": encode_value(extras.to_value(), "extras")})
     encode_groups(groups, "param_groups")
     plan = SavePlan(Path(os.path.abspath(path)), save_id, 0, 1, entries, index)
     storage.prepare_stage(plan.target, save_id)

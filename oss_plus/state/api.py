@@ -16,7 +16,9 @@ from typing import Any
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.state import dcp as _dcp
 from oss_plus.state import torch_callers
+from oss_plus.state.agreement import check_agreed
 from oss_plus.state.consolidate import ALL_RANKS, CPU, whole_states
+from oss_plus.state.extras import Extras, attach, detach
 from oss_plus.state.index import (
     ParamState,
     copy_hyper,
@@ -53,6 +55,8 @@ class ShardedStateDict:
     """``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict`` for a sharded optimizer."""
 
     _consolidated_copy: dict[int, ParamState] | None = None
+    _consolidated_extras: Extras | None = None
+    _consolidated_groups: dict[tuple[int, str], Any] = {}  # noqa: RUF012 - replaced, never changed
     # provided by oss_plus.OSS
     group: Any
     rank: int
@@ -92,7 +96,7 @@ class ShardedStateDict:
 
     def drop_consolidated(self) -> None:
         """Forget the consolidated state on this rank (also done at every step)."""
-        self._consolidated_copy = None
+        self._consolidated_copy = self._consolidated_extras = None
 
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Gather the full optimizer state on ``recipient_rank`` (-1: on every rank).
@@ -103,8 +107,15 @@ class ShardedStateDict:
         state (the plain ``torch.optim`` format). Other ranks keep no copy. The result is read by
         :meth:`state_dict` and dropped at the next ``step()``.
 
+        What the inner optimizer's ``state_dict()`` holds beyond per-param state and param
+        groups (extra keys, state not keyed by a param, a nested base optimizer's state:
+        :mod:`oss_plus.state.extras`) is kept too, in the inner class's own format.
+
         Raises:
-            ValueError: ``recipient_rank`` is not -1 or a rank of ``group``.
+            ValueError: ``recipient_rank`` is not -1 or a rank of ``group``; or the ranks
+                hold different values of a hyperparameter or of such an extra, which one
+                state dict cannot represent (:data:`oss_plus.state.agreement.RANKS_DIFFER`,
+                on every rank, before anything moves).
 
         .. warning:: Collective: call on every rank of ``group``. A call on some ranks only
             (a framework consolidating on the saving rank alone) raises RuntimeError there
@@ -119,13 +130,18 @@ class ShardedStateDict:
             self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
             copy_hyper(self.param_groups, self.optim.param_groups)
             dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
-            self._consolidated_copy = None
+            self._consolidated_copy = self._consolidated_extras = None
+            shard = self.local_shard  # type: ignore[attr-defined]
+            extras = shard.extras()
+            what = "consolidate_state_dict()"
+            rank_0 = check_agreed(extras, self.param_groups, shard.built_groups, self.group, what)
             local = self.export_local_state()  # type: ignore[attr-defined]
             shapes = [p.shape for g in self.param_groups for p in g["params"]]
             plan = self.plan  # type: ignore[attr-defined]
             received = whole_states(local, plan, dst, shapes, self.group, out_device=CPU)
         if dst in (ALL_RANKS, self.rank):
-            self._consolidated_copy = received
+            self._consolidated_copy, self._consolidated_extras = received, extras
+            self._consolidated_groups = rank_0  # what differs as built: rank 0's, everywhere
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """Return the full state in the plain ``torch.optim`` format, every tensor on CPU.
@@ -169,10 +185,13 @@ class ShardedStateDict:
         if self._consolidated_copy is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
-        state_dict = {
-            "state": state,
-            "param_groups": pack_param_groups(self.param_groups, own_group_keys(self.optim)),
-        }
+        groups = pack_param_groups(self.param_groups, own_group_keys(self.optim))
+        for (g, key), value in self._consolidated_groups.items():
+            if key in groups[g]:
+                groups[g][key] = value
+        state_dict = {"state": state, "param_groups": groups}
+        if self._consolidated_extras is not None:  # the inner class's own format
+            state_dict = attach(state_dict, self._consolidated_extras)
         return self._run_post_hooks(state_dict)
 
     def _dcp_state_dict(self, options: Any) -> dict[str, Any]:
@@ -218,6 +237,18 @@ class ShardedStateDict:
 
     def _load_full(self, state_dict: dict[str, Any]) -> None:
         shapes = [[p.shape for p in g["params"]] for g in self.param_groups]
-        validate_state_dict(state_dict, shapes, per_element_keys(self.optim) | {MAIN_KEY})
-        states = saved_state_by_flat_index(state_dict)
-        self.import_local_state(states, state_dict["param_groups"])  # type: ignore[attr-defined]
+        form, extras = _split_loaded(state_dict)
+        validate_state_dict(form, shapes, per_element_keys(self.optim) | {MAIN_KEY})
+        states = saved_state_by_flat_index(form)
+        self.import_local_state(  # type: ignore[attr-defined]
+            states, form["param_groups"], extras=None if extras.empty else extras
+        )
+
+
+def _split_loaded(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Extras]:
+    """A loaded state dict as the ``torch.optim`` format and its extras
+    (:func:`oss_plus.state.extras.detach`); one of neither form fails validation as before."""
+    try:
+        return detach(state_dict)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return state_dict, Extras({"state": {}}, ("state", "param_groups"))

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.state.consolidate import ALL_RANKS
+from oss_plus.state.dcp_extras import EXTRAS_KEY, agreed_extras, put_extras, taken_extras
 from oss_plus.state.dcp_form import SUBCLASS_KEY, from_dcp_form, to_dcp_form
 from oss_plus.state.index import (
     ParamState,
@@ -108,6 +109,7 @@ class LocalState(Mapping[torch.Tensor, ParamState]):
 
     def __init__(self, optimizer: Any, agreed: bool | None = None) -> None:
         shard = optimizer.local_shard
+        self._local = shard
         self._inner = shard.optim.state
         self._targets = dict(zip(optimizer.flat_params(), shard.targets.targets()))
         self._agreed = agreed
@@ -119,6 +121,7 @@ class LocalState(Mapping[torch.Tensor, ParamState]):
     def __setitem__(self, param: torch.Tensor, state: ParamState) -> None:
         """Replace the state of a param this rank holds (what Lightning's device moves do)."""
         self._inner[self._targets[param]] = state
+        self._local.touched = True
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (p for p, t in self._targets.items() if self._inner.get(t))
@@ -154,7 +157,8 @@ def agreed_state(optimizer: Any) -> LocalState:
         ) from exc
     optimizer.settle()
     local = LocalState(optimizer)
-    flags = _dist.agree(None, group, value=int(len(local) > 0))
+    touched = optimizer.local_shard.touched  # state made at construction is not a step's
+    flags = _dist.agree(None, group, value=int(len(local) > 0 and touched))
     return LocalState(optimizer, agreed=any(flags))
 
 
@@ -203,7 +207,9 @@ def sharded_state_dict(
         }
 
     optimizer.settle()
+    extras = agreed_extras(optimizer, flat)
     result = _dist.run_phase(build, optimizer.group)
+    put_extras(result["param_groups"], extras)
     if template:
         _add_placeholders(result["state"], optimizer.group)
     return result
@@ -286,14 +292,14 @@ def full_state_dict(optimizer: Any, cpu_offload: bool, flat: bool = False) -> di
     group = optimizer.group
     ranks = dist.get_process_group_ranks(group)
     to = ranks.index(0) if cpu_offload and 0 in ranks else ALL_RANKS
+    extras = agreed_extras(optimizer, flat)
     optimizer.consolidate_state_dict(to)
     whole = optimizer.consolidated_state or {}
     state = {i: to_dcp_form(whole[i], f"state[{i}]", flat, full=True) for i in sorted(whole)}
     optimizer.drop_consolidated()
-    return {
-        "state": state,
-        "param_groups": pack_param_groups(optimizer.param_groups, _group_keys(optimizer, flat)),
-    }
+    groups = pack_param_groups(optimizer.param_groups, _group_keys(optimizer, flat))
+    put_extras(groups, extras)
+    return {"state": state, "param_groups": groups}
 
 
 def _check_whole(
@@ -343,11 +349,12 @@ def load_sharded(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
             }  # a state value that is None stays (StableAdamW's kahan_comp)
         packed, start = [], 0
         for g in groups:
-            packed.append({**g, "params": list(range(start, start + len(g["params"])))})
+            hyper = {k: v for k, v in g.items() if k != EXTRAS_KEY}  # dcp_extras's
+            packed.append({**hyper, "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
         whole = {i: st for i, st in states.items() if not holds_sharded(saved[keys[i]])}
         _check_whole(optimizer, whole, packed)  # this module's pieces fit by construction
-        optimizer.import_local_state(states, packed)
+        optimizer.import_local_state(states, packed, extras=taken_extras(groups))
 
     optimizer.settle()
     _dist.run_phase(load, optimizer.group)

@@ -50,12 +50,24 @@ from oss_plus.state.nested import (
 )
 from oss_plus.state.subclass import is_plain
 
-__all__ = ["SUBCLASS_KEY", "VALUE_KEY", "dcp_native", "from_dcp_form", "to_dcp_form"]
+__all__ = [
+    "EXTRAS_KEY",
+    "SUBCLASS_KEY",
+    "VALUE_KEY",
+    "dcp_native",
+    "extras_from_number",
+    "extras_to_number",
+    "from_dcp_form",
+    "to_dcp_form",
+]
 
 #: The key of a tensor subclass's JSON description (class, context, shape) in its DCP form.
 SUBCLASS_KEY = "oss_plus_subclass"
 #: The key of the description (``{"key": ..., "skeleton": ...}``, an int) of any other form.
 VALUE_KEY = "oss_plus_value"
+#: The key, in the first param group handed to DCP, of the inner optimizer's extras
+#: (:mod:`oss_plus.state.extras`), an int like :data:`VALUE_KEY`'s description.
+EXTRAS_KEY = "oss_plus_extras"
 
 
 def dcp_native(value: Any, flat: bool = False, full: bool = False) -> bool:
@@ -241,3 +253,44 @@ def _scalar(spec: Any, where: str) -> torch.Tensor:
         raise ValueError(f"{where}: a malformed 0-dim tensor {spec!r}")
     number = spec[1]["float"] if isinstance(spec[1], dict) else spec[1]
     return torch.tensor(float(number) if isinstance(number, str) else number, dtype=dtype)
+
+
+def extras_to_number(value: Any, where: str) -> int:
+    """``value`` (an :class:`~oss_plus.state.extras.Extras`' plain value) as one int that DCP
+    saves and sets whole: its skeleton and its tensors (inline: dtype, shape, bytes) as JSON
+    with the CRC-32 of its own text, as :data:`VALUE_KEY`'s description.
+
+    Raises:
+        TypeError: a value that cannot travel.
+
+    Example:
+        >>> extras_from_number(extras_to_number({"n": torch.ones(2)}, "x"), "x")
+        {'n': tensor([1., 1.])}
+    """
+    skeleton, tensors = flatten_value(value, where)
+    inline = [[str(t.dtype).removeprefix("torch."), list(t.shape), _hex(t)] for t in tensors]
+    described: dict[str, Any] = {"key": "extras", "skeleton": skeleton, "tensors": inline}
+    described["crc32"] = zlib.crc32(json.dumps(described).encode())
+    return int.from_bytes(b"\x01" + json.dumps(described).encode(), "big")
+
+
+def _hex(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    return data.view(torch.uint8).numpy().tobytes().hex()
+
+
+def extras_from_number(number: Any, where: str) -> Any:
+    """The value :func:`extras_to_number` encoded.
+
+    Raises:
+        ValueError: a damaged description (its CRC-32), naming ``where``.
+    """
+    described = _description(number, where)
+    try:
+        tensors = []
+        for dtype, shape, text in described["tensors"]:
+            raw = torch.frombuffer(bytearray.fromhex(text), dtype=torch.uint8)
+            tensors.append(raw.view(getattr(torch, dtype)).reshape(shape).clone())
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{where}: malformed optimizer extras ({exc})") from None
+    return unflatten_value(described["skeleton"], tensors, where)

@@ -20,6 +20,7 @@ import torch
 
 # also for the 0.2 paths oss_plus.state.group_offsets / local_view (oss_plus._moved), until 0.4
 from oss_plus.planning.partition import group_offsets, local_view
+from oss_plus.state.extras import detach
 from oss_plus.state.nested import map_storages
 from oss_plus.state.subclass import clone_tensor
 
@@ -171,7 +172,8 @@ def own_group_keys(inner: Any) -> list[frozenset[str]] | None:
     """
     if getattr(type(inner), "state_dict", None) is torch.optim.Optimizer.state_dict:
         return None
-    return [frozenset(g) for g in inner.state_dict()["param_groups"]]
+    form, _ = detach(inner.state_dict())  # a wrapper's groups may be nested (Lookahead)
+    return [frozenset(g) for g in form["param_groups"]]
 
 
 def pack_param_groups(

@@ -26,6 +26,7 @@ import torch
 from oss_plus.planning.partition import Rule
 from oss_plus.planning.plan import ShardPlan
 from oss_plus.planning.policy import ShardPolicy
+from oss_plus.state.extras import Extras
 from oss_plus.state.index import ParamState
 from oss_plus.step import params as _params
 from oss_plus.step.driver import StepDriver
@@ -148,7 +149,10 @@ class Replanner:
         return states
 
     def import_state(
-        self, states: Mapping[int, ParamState], param_groups: list[dict[str, Any]] | None
+        self,
+        states: Mapping[int, ParamState],
+        param_groups: list[dict[str, Any]] | None,
+        extras: Extras | None = None,
     ) -> None:
         """Load ``states``, their main values into the main copies (``OSS.import_local_state``).
 
@@ -158,7 +162,7 @@ class Replanner:
         self.driver.wait()
         plain, mains = split_main(states)
         exact = self.main_for(mains)  # checked before anything changes
-        self.shard.load(plain, param_groups)
+        self.shard.load(plain, param_groups, extras)
         self.give_main(exact)
 
     def main_values(self) -> dict[int, torch.Tensor]:
