@@ -37,7 +37,7 @@ def case_of(name: str, rule: str) -> Case:
         entry.make,
         entry.normalize,
         context=zoo.eager,
-        oss=RULES[rule],
+        oss={**RULES[rule], **entry.oss},
         refused=entry.refused,
         **extra,
     )
