@@ -29,9 +29,10 @@ The package, by concern (imports flow down the list):
 """
 
 from oss_plus.checkpoint.background import PREVIOUS_SAVE_FAILED, staging_nbytes
+from oss_plus.checkpoint.migrate import write_state_dict
 from oss_plus.checkpoint.plan import NOT_OSS
 from oss_plus.checkpoint.read import load_checkpoint, read_state_dict
-from oss_plus.checkpoint.save import save_checkpoint, write_state_dict
+from oss_plus.checkpoint.save import save_checkpoint
 
 __all__ = [
     "NOT_OSS",

@@ -18,9 +18,9 @@ from typing import Any, TextIO
 import torch
 
 from oss_plus.checkpoint.format import Index, NestedValue, PiecesValue, PlainValue, TensorRef
+from oss_plus.checkpoint.migrate import write_state_dict
 from oss_plus.checkpoint.plan import nbytes_of
 from oss_plus.checkpoint.read import read_state_dict
-from oss_plus.checkpoint.save import write_state_dict
 from oss_plus.checkpoint.validate import check_files, read_index
 from oss_plus.state.nested import unflatten_value
 
