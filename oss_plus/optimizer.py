@@ -126,6 +126,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
+        _arrival.check_arrival(self.group, "OSS()")  # constructed on some ranks: raise there
         if replicate_group is not None:  # before anything else: a mistake raises everywhere
             hybrid.check_groups(self.group, replicate_group)
         #: The ranks holding the same shard (hybrid sharding), or None.
@@ -170,6 +171,14 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
     def plan(self) -> ShardPlan:
         """The current shard plan (a frozen value; a new object after every repartition)."""
         return self._shard.plan
+
+    @property
+    def step_count(self) -> int:
+        """The :meth:`step` calls this rank made that ran the parameter sync (a failed local
+        step included; a step a ``GradScaler`` skipped on every rank not). Every rank holds
+        the same count: the collective entry points compare it and raise when it differs
+        (:data:`oss_plus.runtime.arrival.STEPS_DIFFER`). Read-only, not saved in state."""
+        return self._driver.steps
 
     @property
     def policy(self) -> ShardPolicy:
@@ -229,7 +238,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         .. warning:: Collective: call on every rank of ``group`` with the same plan (a call
             on some ranks only raises there, :mod:`oss_plus.runtime.arrival`).
         """
-        with _arrival.entry(self.group, "repartition()"):
+        with _arrival.entry(self.group, "repartition()", steps=self.step_count):
             self._replanner.adopt(plan, pin)  # settles the last step first
         self.drop_consolidated()
 
@@ -379,7 +388,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         if not self._initialized:
             super().add_param_group(param_group)
             return
-        with _arrival.entry(self.group, "add_param_group()"):
+        with _arrival.entry(self.group, "add_param_group()", steps=self.step_count):
             self.settle()
             super().add_param_group(_params.new_group(param_group, self.flat_params()))
             self._replanner.add_group()
@@ -396,5 +405,5 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         .. warning:: Collective: call on every rank of ``group`` (a call on some ranks only
             raises there within the arrival timeout, :mod:`oss_plus.runtime.arrival`).
         """
-        with _arrival.entry(self.group, "refresh_trainable()"):
+        with _arrival.entry(self.group, "refresh_trainable()", steps=self.step_count):
             self.repartition()

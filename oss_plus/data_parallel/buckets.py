@@ -48,6 +48,8 @@ import torch.distributed as dist
 from oss_plus.data_parallel.compress import buffer_dtype
 from oss_plus.data_parallel.plan import ReducePlan, launch_groups
 from oss_plus.runtime import dist as _dist
+from oss_plus.runtime import positions
+from oss_plus.runtime.arrival import arrival_timeout
 from oss_plus.runtime.trace import label
 
 __all__ = ["COLLECTIVES", "Buckets", "pick_collective"]
@@ -347,7 +349,8 @@ class Buckets:
         transient buffers; queue the results of owned transient buckets. Hybrid: launch the
         owned bucket's all-reduce across the replicas first (the rest when it completes)."""
         g, work, out, (given, counts) = self._works.popleft()
-        work.wait()
+        bound = arrival_timeout() if _dist.releases_late(self.group) else None  # gloo only
+        positions.wait(work, self.group, bound, "backward()", "in ShardedDataParallel's backward()")
         del work  # the work object holds the tensors too
         _dist.await_release(given, counts, self.group)
         mine = self._mine(g) if self.replicate is not None else None

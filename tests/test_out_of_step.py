@@ -1,0 +1,228 @@
+"""A rank out of step raises a clear error on every rank within the arrival timeout (issue 55).
+
+One rank skips a ``step()`` (a "skip on a non-finite loss" that is not agreed), calls it
+twice, or makes another collective call while its peers step; an ``OSS`` is constructed on
+some ranks only. Before, these waited for the process group's timeout, paired a step with
+another silently, or raised gloo's raw "Connection closed by peer". Now the step's waits are
+bounded by the arrival timeout (1 s here) and every rank that is in an oss_plus call raises
+naming where every rank is (:mod:`oss_plus.runtime.positions`). The comparison: without the
+bounded waits the stepping rank sits in its sync until the pool's task timeout (below the
+group's), and the test fails on a :class:`~oss_plus.testing.PoolTimeout`.
+
+A half-done collective stays queued in the group afterwards, so each task ends by raising
+:class:`Reported` with its result: the pool then starts fresh workers for the next test.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from helpers import backward, catch, ddp_of, loss_of, make_model
+from test_arrival import short_arrival
+
+from oss_plus import OSS, ShardedDataParallel
+from oss_plus.compat import fairscale
+from oss_plus.compat import torch as torch_compat
+from oss_plus.runtime import arrival as _arrival
+from oss_plus.step import driver as _driver
+from oss_plus.testing import RemoteError
+
+#: What a rank may take at most to raise (1 s arrival timeout, 1 s grace, a loaded machine).
+BOUND_S = 10.0
+TASK_TIMEOUT_S = 25.0
+
+
+class Reported(Exception):
+    """Ends a task whose group is left with a collective half done: carries the result."""
+
+
+def report(value: object) -> None:
+    raise Reported("RESULT" + json.dumps(value))
+
+
+def results(info: pytest.ExceptionInfo[RemoteError], world: int = 2) -> list[list]:
+    """The values :func:`report` carried, per rank."""
+    failures = info.value.failures
+    assert sorted(failures) == list(range(world)), failures
+    out = []
+    for rank in range(world):
+        text = failures[rank]
+        assert "Reported: RESULT" in text, text
+        out.append(json.loads(text.rsplit("Reported: RESULT", 1)[1].strip().splitlines()[0]))
+    return out
+
+
+def build(ctx, kind):
+    model = make_model()
+    params = model.parameters()
+    if kind == "fairscale":
+        opt = fairscale.OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
+    elif kind == "torch":
+        opt = torch_compat.ZeroRedundancyOptimizer(
+            params, torch.optim.Adam, process_group=ctx.group, lr=0.01
+        )
+    else:
+        opt = OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
+    net: torch.nn.Module = model
+    if kind == "ddp":
+        net = ddp_of(ctx, model)
+    elif kind == "sdp":
+        net = ShardedDataParallel(model, opt, ctx.group)
+    elif kind == "attach":
+        opt.attach(model)
+    return net, opt
+
+
+def iteration(net, opt, it: int, step: bool = True, twice: bool = False) -> None:
+    opt.zero_grad()
+    loss_of(net, it).backward()
+    if step:
+        opt.step()
+    if twice:
+        opt.step()
+
+
+def timed(fn, *args):
+    begin = time.monotonic()
+    got = catch(fn, *args)
+    return [*got, time.monotonic() - begin]
+
+
+def skip_task(ctx, kind, mistake):
+    """Rank 1 skips its second step (or rank 0 steps twice in its second iteration); the
+    loop goes on, then every rank consolidates."""
+    with short_arrival():
+        net, opt = build(ctx, kind)
+
+        def loop():
+            for it in range(3):
+                skip = mistake == "skip" and ctx.rank == 1 and it == 1
+                twice = mistake == "twice" and ctx.rank == 0 and it == 1
+                iteration(net, opt, it, step=not skip, twice=twice)
+            opt.consolidate_state_dict()
+
+        report(timed(loop) + [opt.step_count])
+
+
+KINDS = ["oss", "fairscale", "torch", "attach", "sdp"]
+
+
+@pytest.mark.parametrize("mistake", ["skip", "twice"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rank_out_of_step_raises_on_every_rank_naming_where_each_is(pool, kind, mistake):
+    with pytest.raises(RemoteError) as info:
+        pool.run(skip_task, kind, mistake, world_size=2, timeout=TASK_TIMEOUT_S)
+    (kind0, text0, took0, steps0), (kind1, text1, took1, steps1) = results(info)
+    assert kind0 == kind1 == "RuntimeError", (text0, text1)
+    assert took0 < BOUND_S and took1 < BOUND_S, (took0, took1)
+    # rank 0 made one step more than rank 1 (whose count stops at the step it is in)
+    ahead, behind = 3 + (mistake == "twice"), 3 - (mistake == "skip")
+    if kind == "attach":  # rank 0's last step returned with its sync in flight
+        assert steps0 == ahead and steps1 == behind
+        for text in (text0, text1):
+            assert text.startswith(
+                "consolidate_state_dict() was called on every rank of the process group, but "
+                f"after different numbers of step() (global rank 0 after {ahead} step(s), "
+                f"global rank 1 after {behind} step(s))"
+            ), text
+        return
+    if kind == "sdp":  # caught at the first step out of step: rank 1's next backward()
+        ahead = 2 + (mistake == "twice")
+    assert text0.startswith(
+        f"step() is collective, but the parameter sync of this rank's step {ahead} "
+    ), text0
+    assert "global rank 0 (this rank) is here" in text0, text0
+    if kind == "sdp":  # rank 1 is in its next backward(), whose reduction pairs with nothing
+        assert "global rank 1 is in ShardedDataParallel's backward()" in text0, text0
+        assert text1.startswith("backward() is collective, but one of its collectives"), text1
+    else:
+        assert steps1 == behind, steps1
+        assert f"global rank 1 is in consolidate_state_dict() after {behind} step(s)" in text0
+        assert text1.startswith("consolidate_state_dict() is collective but only 1 of the 2")
+    assert f"global rank 0 is in step() (its step {ahead})" in text1, text1
+
+
+def mixed_task(ctx, call):
+    """Rank 0 steps while rank 1 clips, consolidates or saves a checkpoint."""
+    with short_arrival():
+        net, opt = build(ctx, "oss")
+        iteration(net, opt, 0)
+        backward(net, 1)
+        calls = {
+            "clip_grad_norm()": lambda: opt.clip_grad_norm(1.0),
+            "consolidate_state_dict()": opt.consolidate_state_dict,
+            "save_checkpoint()": lambda: _save(opt, ctx),
+        }
+        report(timed(opt.step if ctx.rank == 0 else calls[call]))
+
+
+def _save(opt, ctx):
+    import tempfile
+
+    from oss_plus import save_checkpoint
+
+    with tempfile.TemporaryDirectory() as path:
+        save_checkpoint(opt, path)
+
+
+@pytest.mark.parametrize(
+    "call", ["clip_grad_norm()", "consolidate_state_dict()", "save_checkpoint()"]
+)
+def test_step_against_another_call_raises_on_both_ranks(pool, call):
+    with pytest.raises(RemoteError) as info:
+        pool.run(mixed_task, call, world_size=2, timeout=TASK_TIMEOUT_S)
+    (kind0, text0, took0), (kind1, text1, took1) = results(info)
+    assert kind0 == kind1 == "RuntimeError", (text0, text1)
+    assert text0.startswith("step() is collective, but the parameter sync of this rank's step 2 ")
+    assert f"global rank 1 is in {call} after 1 step(s)" in text0, text0
+    assert text1.startswith(f"{call} is collective but only 1 of the 2"), text1
+    assert "global rank 0 is in step() (its step 2)" in text1, text1
+    assert took0 < BOUND_S and took1 < BOUND_S, (took0, took1)
+
+
+def construct_task(ctx):
+    """Rank 0 constructs an OSS, rank 1 does not (it waits out of band)."""
+    with short_arrival():
+        got = (
+            timed(lambda: OSS(make_model().parameters(), group=ctx.group))
+            if ctx.rank == 0
+            else None
+        )
+        if ctx.rank == 1:
+            time.sleep(2.5)
+        # then on both: constructs and steps
+        net, opt = build(ctx, "oss")
+        iteration(net, opt, 0)
+        return got, opt.step_count
+
+
+def test_an_oss_constructed_on_some_ranks_raises_there(pool):
+    (got, steps0), (none, steps1) = pool.run(construct_task, world_size=2, timeout=TASK_TIMEOUT_S)
+    assert none is None and steps0 == steps1 == 1
+    kind, text, took = got
+    assert kind == "RuntimeError" and text.startswith("OSS() is collective but only 1 of the 2")
+    assert "global rank 1 is in no collective call of oss_plus" in text, text
+    assert took < BOUND_S
+
+
+def counted_task(ctx):
+    """step_count counts the steps that ran the sync; the entry points compare it."""
+    with short_arrival():
+        net, opt = build(ctx, "oss")
+        for it in range(2):
+            iteration(net, opt, it)
+        counts = [opt.step_count]
+        opt.consolidate_state_dict()
+        return counts
+
+
+def test_step_count_is_the_same_on_every_rank(pool):
+    assert pool.run(counted_task, world_size=2) == [[2], [2]]
+
+
+def test_the_messages_name_what_to_do():
+    assert "restart from a checkpoint" in _driver.STEP_NOT_MATCHED
+    assert "every rank skips" in _arrival.STEPS_DIFFER
