@@ -28,6 +28,7 @@ from oss_plus.planning.partition import Rule
 from oss_plus.planning.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
+from oss_plus.state import copies
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.state.index import ParamState, copy_hyper
 from oss_plus.step import params as _params
@@ -104,8 +105,15 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         >>> opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
         >>> loss.backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
 
+    ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` of an ``OSS`` raise
+    TypeError saying how to keep its state instead (:mod:`oss_plus.state.copies`).
+
     .. warning:: Collective: construct on every rank of ``group``.
     """
+
+    # copy.deepcopy, copy.copy, pickle and torch.save raise TypeError: oss_plus.state.copies
+    __deepcopy__ = copies.refuse_deepcopy
+    __reduce_ex__ = copies.refuse_reduce
 
     def __init__(
         self,

@@ -43,12 +43,12 @@ def report(value: object) -> None:
     raise Reported("RESULT" + json.dumps(value))
 
 
-def results(info: pytest.ExceptionInfo[RemoteError], world: int = 2) -> list[list]:
-    """The values :func:`report` carried, per rank."""
+def results(info: pytest.ExceptionInfo[RemoteError], ranks: tuple[int, ...] = (0, 1)) -> list[list]:
+    """The values :func:`report` carried, per rank of ``ranks`` (those that answered)."""
     failures = info.value.failures
-    assert sorted(failures) == list(range(world)), failures
+    assert sorted(failures) == list(ranks), failures
     out = []
-    for rank in range(world):
+    for rank in ranks:
         text = failures[rank]
         assert "Reported: RESULT" in text, text
         out.append(json.loads(text.rsplit("Reported: RESULT", 1)[1].strip().splitlines()[0]))
@@ -143,6 +143,22 @@ def test_a_rank_out_of_step_raises_on_every_rank_naming_where_each_is(pool, kind
         assert f"global rank 1 is in consolidate_state_dict() after {behind} step(s)" in text0
         assert text1.startswith("consolidate_state_dict() is collective but only 1 of the 2")
     assert f"global rank 0 is in step() (its step {ahead})" in text1, text1
+
+
+@pytest.mark.parametrize("mistake", ["skip", "twice"])
+def test_under_ddp_the_stepping_rank_raises_at_the_first_step_out_of_step(pool, mistake):
+    """The other rank is in DDP's own all-reduce (torch's reducer), which oss_plus does not
+    wait for: it stays there until its peer's process exits (gloo: "Connection closed by
+    peer") or the group's timeout. Documented in docs/reliability.md."""
+    with pytest.raises(RemoteError) as info:
+        pool.run(skip_task, "ddp", mistake, world_size=2, timeout=TASK_TIMEOUT_S)
+    ((kind0, text0, took0, steps0),) = results(info, ranks=(0,))
+    ahead = 2 + (mistake == "twice")
+    assert kind0 == "RuntimeError" and took0 < BOUND_S, (text0, took0)
+    assert text0.startswith(
+        f"step() is collective, but the parameter sync of this rank's step {ahead} "
+    ), text0
+    assert "global rank 1 is in no collective call of oss_plus" in text0, text0
 
 
 def mixed_task(ctx, call):
