@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pytest
 import torch
 from helpers import backward, catch, ddp_of, loss_of, make_model
-from test_arrival import short_arrival
+from test_arrival import short_arrival, wait_for
 
 from oss_plus import OSS, ShardedDataParallel
 from oss_plus.compat import fairscale
@@ -94,8 +95,8 @@ def timed(fn, *args):
 def skip_task(ctx, kind, mistake):
     """Rank 1 skips its second step (or rank 0 steps twice in its second iteration); the
     loop goes on, then every rank consolidates."""
+    net, opt = build(ctx, kind)  # under the default timeout: a slow start is fine
     with short_arrival():
-        net, opt = build(ctx, kind)
 
         def loop():
             for it in range(3):
@@ -163,10 +164,10 @@ def test_under_ddp_the_stepping_rank_raises_at_the_first_step_out_of_step(pool, 
 
 def mixed_task(ctx, call):
     """Rank 0 steps while rank 1 clips, consolidates or saves a checkpoint."""
+    net, opt = build(ctx, "oss")
+    iteration(net, opt, 0)
+    backward(net, 1)
     with short_arrival():
-        net, opt = build(ctx, "oss")
-        iteration(net, opt, 0)
-        backward(net, 1)
         calls = {
             "clip_grad_norm()": lambda: opt.clip_grad_norm(1.0),
             "consolidate_state_dict()": opt.consolidate_state_dict,
@@ -199,24 +200,25 @@ def test_step_against_another_call_raises_on_both_ranks(pool, call):
     assert took0 < BOUND_S and took1 < BOUND_S, (took0, took1)
 
 
-def construct_task(ctx):
-    """Rank 0 constructs an OSS, rank 1 does not (it waits out of band)."""
+def construct_task(ctx, tag):
+    """Rank 0 constructs an OSS, rank 1 does not (it waits out of band); then both do."""
+    got, store = None, _arrival._store()
     with short_arrival():
-        got = (
-            timed(lambda: OSS(make_model().parameters(), group=ctx.group))
-            if ctx.rank == 0
-            else None
-        )
-        if ctx.rank == 1:
-            time.sleep(2.5)
-        # then on both: constructs and steps
-        net, opt = build(ctx, "oss")
-        iteration(net, opt, 0)
-        return got, opt.step_count
+        if ctx.rank == 0:
+            got = timed(lambda: OSS(make_model().parameters(), group=ctx.group))
+            store.add(f"{tag}/done", 1)
+        else:
+            wait_for(store, f"{tag}/done", 1)
+    net, opt = build(ctx, "oss")  # then on every rank: constructs and steps
+    iteration(net, opt, 0)
+    return got, opt.step_count
 
 
 def test_an_oss_constructed_on_some_ranks_raises_there(pool):
-    (got, steps0), (none, steps1) = pool.run(construct_task, world_size=2, timeout=TASK_TIMEOUT_S)
+    tag = f"test_out_of_step/{uuid.uuid4().hex}"
+    (got, steps0), (none, steps1) = pool.run(
+        construct_task, tag, world_size=2, timeout=TASK_TIMEOUT_S
+    )
     assert none is None and steps0 == steps1 == 1
     kind, text, took = got
     assert kind == "RuntimeError" and text.startswith("OSS() is collective but only 1 of the 2")

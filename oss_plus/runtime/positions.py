@@ -30,6 +30,7 @@ import torch.distributed as dist
 __all__ = [
     "GRACE_S",
     "NOT_MATCHED",
+    "NOT_REPORTED",
     "clear",
     "default_store",
     "describe",
@@ -40,6 +41,9 @@ __all__ = [
     "wait",
     "where",
 ]
+
+#: A rank that posted no position (:func:`describe`).
+NOT_REPORTED = "is in no collective call of oss_plus (nothing reported)"
 
 #: Raised by :func:`wait` when a collective of ``what`` did not complete in time.
 NOT_MATCHED = (
@@ -170,9 +174,5 @@ def describe(ranks: Sequence[int], found: Mapping[int, str | None], me: int) -> 
             parts.append(f"global rank {r} (this rank) is here")
             continue
         where = found.get(r)
-        parts.append(
-            f"global rank {r} is {where}"
-            if where
-            else f"global rank {r} is in no collective call of oss_plus (nothing reported)"
-        )
+        parts.append(f"global rank {r} is {where}" if where else f"global rank {r} {NOT_REPORTED}")
     return "; ".join(parts)
