@@ -27,7 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from oss_plus.compat._base import CompatOSS
-from oss_plus.compat._torch_install import install, is_installed, uninstall
+from oss_plus.compat._torch_install import install, is_installed, provide, uninstall
 from oss_plus.compat._torch_params import (  # noqa: F401 - the messages are public here too
     FUNCTIONAL_OPTIMIZER,
     GROUP_PARAMS_SET,
@@ -359,3 +359,4 @@ def _register_as_torch_zero() -> bool:
 
 
 _register_as_torch_zero()
+provide(ZeroRedundancyOptimizer)  # what install() puts in torch's place
