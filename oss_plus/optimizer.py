@@ -134,7 +134,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
-        _arrival.check_arrival(self.group, "OSS()")  # constructed on some ranks: raise there
+        _arrival.check_arrival(self.group, f"{type(self).__name__}()")  # on some ranks: raise
         if replicate_group is not None:  # before anything else: a mistake raises everywhere
             hybrid.check_groups(self.group, replicate_group)
         #: The ranks holding the same shard (hybrid sharding), or None.

@@ -58,6 +58,7 @@ from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.runtime.trace import label
 from oss_plus.step.pieces import PieceTargets
+from oss_plus.step.shard import LocalShard
 
 __all__ = [
     "ShardedClip",
@@ -324,11 +325,12 @@ class ShardedClip:
 
     group: Any
     # provided by oss_plus.OSS
-    local_shard: Any
     settle: Callable[[], None]
     trainability_changed: Callable[[], bool]
-    if TYPE_CHECKING:  # a property of oss_plus.OSS
+    if TYPE_CHECKING:  # properties of oss_plus.OSS
 
+        @property
+        def local_shard(self) -> LocalShard: ...
         @property
         def step_count(self) -> int: ...
 

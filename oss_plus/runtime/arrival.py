@@ -19,6 +19,12 @@ The API, for any collective entry point (``with`` around its body)::
 group (``state_dict(all_ranks=True)`` consolidates) is checked once, under the outer name.
 :func:`check_arrival` is the bare check (not skipped when nested).
 
+With ``steps`` (the optimizer's :attr:`oss_plus.OSS.step_count`) the key holds the step count
+too: ranks making the same call after different numbers of steps do not meet either, and
+raise :data:`STEPS_DIFFER` naming every rank's count. A rank that waits posts where it is
+(:mod:`oss_plus.runtime.positions`); a rank that gives up names where every rank is. The
+step's own sync bounds its waits by the same timeout (:mod:`oss_plus.step.driver`).
+
 The arrival timeout is :data:`ARRIVAL_TIMEOUT` (60 s), or the seconds in the environment
 variable :data:`ARRIVAL_TIMEOUT_ENV`. A rank that legitimately arrives later than that (it
 evaluated alone before a checkpoint) makes its peers raise: raise the timeout then.
