@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 import torch
-from helpers import backward, catch, ddp_of, loss_of, make_model
+from helpers import backward, catch, ddp_of, loss_of, make_model, run_python
 from test_arrival import short_arrival, wait_for
 
 from oss_plus import OSS, ShardedDataParallel
@@ -244,3 +244,25 @@ def test_step_count_is_the_same_on_every_rank(pool):
 def test_the_messages_name_what_to_do():
     assert "restart from a checkpoint" in _driver.STEP_NOT_MATCHED
     assert "every rank skips" in _arrival.STEPS_DIFFER
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_count_and_the_bounded_waits_hold():
+    """NCCL at world size 1 (the count, the copy refused), gloo with CUDA tensors at 2 ranks
+    (exact steps, then a skipped step named on both ranks); tests/gpu_out_of_step.py."""
+    done = run_python(["tests/gpu_out_of_step.py"], timeout=240)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("{", "0 ", "1 "))]
+    alone = json.loads(lines[0])
+    assert alone == {
+        "nccl_ws1_step_count": 3,
+        "equal_to_plain": True,
+        "deepcopy": alone["deepcopy"],
+    } and alone["deepcopy"].startswith("OSS cannot be deep-copied")
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in lines[1:3]]
+    for got in ranks:
+        assert got["oss_equal_to_plain"] and got["attach_equal_to_plain"], got
+        assert got["oss_step_count"] == got["attach_step_count"] == 3, got
+        assert got["skip_s"] < BOUND_S, got
+    assert ranks[0]["skip"].startswith("step() is collective, but the parameter sync"), ranks[0]
+    assert "global rank 1 is in consolidate_state_dict() after 2 step(s)" in ranks[0]["skip"]
+    assert ranks[1]["skip"].startswith("consolidate_state_dict() is collective but only 1")

@@ -23,10 +23,9 @@ checks at once and raises on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -75,27 +74,25 @@ class StepDriver:
         """Wait for the sync still in flight, if any (not collective)."""
         inflight, self.inflight = self.inflight, None
         if inflight is not None:
-            with self._bounded():
+            try:
                 inflight.wait()
+            except RuntimeError as exc:
+                self._not_matched(exc)
 
-    @contextlib.contextmanager
-    def _bounded(self) -> Iterator[None]:
-        """Turn a wait that timed out (or a backend error) into :data:`STEP_NOT_MATCHED`."""
-        try:
-            yield
-        except RuntimeError as exc:
-            if self.world_size == 1:
-                raise
-            self.inflight = None
-            timeout = arrival_timeout()
-            mine = f"in step() (its step {self.steps})"
-            text = STEP_NOT_MATCHED.format(
-                step=self.steps,
-                error=positions.first_line(exc),
-                seconds=timeout.total_seconds(),
-                where=positions.where(self.group, mine, timeout),
-            )
-            raise RuntimeError(text) from exc
+    def _not_matched(self, exc: RuntimeError) -> NoReturn:
+        """Raise :data:`STEP_NOT_MATCHED` for a wait that timed out (or a backend error)."""
+        if self.world_size == 1:
+            raise exc
+        self.inflight = None
+        timeout = arrival_timeout()
+        mine = f"in step() (its step {self.steps})"
+        text = STEP_NOT_MATCHED.format(
+            step=self.steps,
+            error=positions.first_line(exc),
+            seconds=timeout.total_seconds(),
+            where=positions.where(self.group, mine, timeout),
+        )
+        raise RuntimeError(text) from exc
 
     def settle(self) -> None:
         """Wait, then raise on every rank what the last step reported (see
@@ -127,9 +124,11 @@ class StepDriver:
             self.wait()
             return
         inflight.holding = sync.holding()  # the attached forwards wait bucket by bucket
-        with self._bounded():
+        try:
             for waits in self.waits:
                 inflight.wait_for_params(waits.uncovered)
+        except RuntimeError as exc:
+            self._not_matched(exc)
 
     def replan(self, sync: BucketSync, wire: torch.dtype | None) -> bool:
         """This rank's plan changed: run the sync unstepped with :data:`REPLAN` and read every
@@ -142,8 +141,10 @@ class StepDriver:
         sync.restore(wire)  # what is sent unstepped: the params' values, as a step would
         sync.timeout = arrival_timeout()
         self.steps += 1
-        with self._bounded():
+        try:
             sync.launch(wire, REPLAN).wait()
+        except RuntimeError as exc:
+            self._not_matched(exc)
         if all(code == REPLAN for code in sync.status.codes(REPLAN)):
             self.steps -= 1  # every rank repartitions, then steps: counted by its send()
             return True
@@ -166,5 +167,7 @@ class StepDriver:
         """A forward pre-hook of :meth:`attach`: wait for the transfers of ``params``."""
         inflight = self.inflight
         if inflight is not None:
-            with self._bounded():
+            try:
                 inflight.wait_for_params(params)
+            except RuntimeError as exc:
+                self._not_matched(exc)
