@@ -238,10 +238,9 @@ def _arrive(
             decision = store.get(f"{key}/decision")
         except RuntimeError:  # DistStoreError: the others did not come in time
             decision = store.compare_set(f"{key}/decision", "", _ABORT)
-        if decision == _GO:
-            positions.clear(store, ranks, mine[0])
         break
     if decision == _GO:
+        positions.clear(store, ranks, mine[0])  # a position this rank posted is stale now
         return key, None
     arrived = store.add(f"{key}/count", _POISON) % _POISON  # retire it for the others
     counts.attempts[name] = attempt + 1

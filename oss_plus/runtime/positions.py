@@ -59,6 +59,8 @@ NOT_MATCHED = (
 GRACE_S = 5.0
 
 _POLL_S = 0.05
+#: The keys this process posted a position under and has not cleared.
+_posted: set[str] = set()
 
 
 def default_store() -> Any | None:
@@ -128,12 +130,18 @@ def grace(timeout: timedelta) -> float:
 def post(store: Any, ranks: Sequence[int], rank: int, where: str) -> None:
     """Post ``where`` (e.g. ``"in step() (its step 3)"``) as the position of global rank
     ``rank`` of the group of global ranks ``ranks``, stamped with the time (one store write)."""
-    store.set(_key(ranks, rank), f"{time.time():.3f} {where}")
+    key = _key(ranks, rank)
+    store.set(key, f"{time.time():.3f} {where}")
+    _posted.add(key)
 
 
 def clear(store: Any, ranks: Sequence[int], rank: int) -> None:
-    """Withdraw the position of ``rank`` (its call completed)."""
-    store.set(_key(ranks, rank), "")
+    """Withdraw the position of ``rank`` (a call completed), if this process posted one and
+    did not clear it since (no store access otherwise)."""
+    key = _key(ranks, rank)
+    if key in _posted:
+        store.set(key, "")
+        _posted.discard(key)
 
 
 def _read(store: Any, key: str, since: float) -> str | None:
