@@ -5,12 +5,13 @@ twice, or makes another collective call while its peers step; an ``OSS`` is cons
 some ranks only. Before, these waited for the process group's timeout, paired a step with
 another silently, or raised gloo's raw "Connection closed by peer". Now the step's waits are
 bounded by the arrival timeout (1 s here) and every rank that is in an oss_plus call raises
-naming where every rank is (:mod:`oss_plus.runtime.positions`). The comparison: without the
-bounded waits the stepping rank sits in its sync until the pool's task timeout (below the
-group's), and the test fails on a :class:`~oss_plus.testing.PoolTimeout`.
+naming where every rank is (:mod:`oss_plus.runtime.positions`). Without the bounded waits
+the stepping rank sits in its sync until the pair's timeout (6 s) and raises gloo's error:
+each test then fails on the message.
 
-A half-done collective stays queued in the group afterwards, so each task ends by raising
-:class:`Reported` with its result: the pool then starts fresh workers for the next test.
+A half-done collective stays queued in the group it ran on, so each scenario runs on a pair
+group made for it (``dist.new_group`` on all four workers, then abandoned): two scenarios per
+4-rank task, on ranks (0, 1) and (2, 3) at once, and the pool's own groups stay usable.
 """
 
 from __future__ import annotations
@@ -18,42 +19,27 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import backward, catch, ddp_of, loss_of, make_model, run_python
 from test_arrival import short_arrival, wait_for
 
-from oss_plus import OSS, ShardedDataParallel
+from oss_plus import OSS, ShardedDataParallel, save_checkpoint
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
 from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime import positions
 from oss_plus.step import driver as _driver
-from oss_plus.testing import RemoteError
 
 #: What a rank may take at most to raise (1 s arrival timeout, 1 s grace, a loaded machine).
 BOUND_S = 10.0
-TASK_TIMEOUT_S = 25.0
-
-
-class Reported(Exception):
-    """Ends a task whose group is left with a collective half done: carries the result."""
-
-
-def report(value: object) -> None:
-    raise Reported("RESULT" + json.dumps(value))
-
-
-def results(info: pytest.ExceptionInfo[RemoteError], ranks: tuple[int, ...] = (0, 1)) -> list[list]:
-    """The values :func:`report` carried, per rank of ``ranks`` (those that answered)."""
-    failures = info.value.failures
-    assert sorted(failures) == list(ranks), failures
-    out = []
-    for rank in ranks:
-        text = failures[rank]
-        assert "Reported: RESULT" in text, text
-        out.append(json.loads(text.rsplit("Reported: RESULT", 1)[1].strip().splitlines()[0]))
-    return out
+TASK_TIMEOUT_S = 40.0
+#: The timeout of the pair groups (what the other rank under plain DDP waits for).
+PAIR_TIMEOUT = timedelta(seconds=6)
 
 
 def build(ctx, kind):
@@ -92,117 +78,142 @@ def timed(fn, *args):
     return [*got, time.monotonic() - begin]
 
 
-def skip_task(ctx, kind, mistake):
+def skipped(ctx, kind, mistake):
     """Rank 1 skips its second step (or rank 0 steps twice in its second iteration); the
     loop goes on, then every rank consolidates."""
     net, opt = build(ctx, kind)  # under the default timeout: a slow start is fine
+
+    def loop():
+        for it in range(3):
+            skip = mistake == "skip" and ctx.rank == 1 and it == 1
+            twice = mistake == "twice" and ctx.rank == 0 and it == 1
+            iteration(net, opt, it, step=not skip, twice=twice)
+        opt.consolidate_state_dict()
+
     with short_arrival():
-
-        def loop():
-            for it in range(3):
-                skip = mistake == "skip" and ctx.rank == 1 and it == 1
-                twice = mistake == "twice" and ctx.rank == 0 and it == 1
-                iteration(net, opt, it, step=not skip, twice=twice)
-            opt.consolidate_state_dict()
-
-        report(timed(loop) + [opt.step_count])
+        return [*timed(loop), opt.step_count]
 
 
-KINDS = ["oss", "fairscale", "torch", "attach", "sdp"]
-
-
-@pytest.mark.parametrize("mistake", ["skip", "twice"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_rank_out_of_step_raises_on_every_rank_naming_where_each_is(pool, kind, mistake):
-    with pytest.raises(RemoteError) as info:
-        pool.run(skip_task, kind, mistake, world_size=2, timeout=TASK_TIMEOUT_S)
-    (kind0, text0, took0, steps0), (kind1, text1, took1, steps1) = results(info)
-    assert kind0 == kind1 == "RuntimeError", (text0, text1)
-    assert took0 < BOUND_S and took1 < BOUND_S, (took0, took1)
-    # rank 0 made one step more than rank 1 (whose count stops at the step it is in)
-    ahead, behind = 3 + (mistake == "twice"), 3 - (mistake == "skip")
-    if kind == "attach":  # rank 0's last step returned with its sync in flight
-        assert steps0 == ahead and steps1 == behind
-        for text in (text0, text1):
-            assert text.startswith(
-                "consolidate_state_dict() was called on every rank of the process group, but "
-                f"after different numbers of step() (global rank 0 after {ahead} step(s), "
-                f"global rank 1 after {behind} step(s))"
-            ), text
-        return
-    if kind == "sdp":  # caught at the first step out of step: rank 1's next backward()
-        ahead = 2 + (mistake == "twice")
-    assert text0.startswith(
-        f"step() is collective, but the parameter sync of this rank's step {ahead} "
-    ), text0
-    assert "global rank 0 (this rank) is here" in text0, text0
-    if kind == "sdp":  # rank 1 is in its next backward(), whose reduction pairs with nothing
-        assert "global rank 1 is in ShardedDataParallel's backward()" in text0, text0
-        assert text1.startswith("backward() is collective, but one of its collectives"), text1
-    else:
-        assert steps1 == behind, steps1
-        assert f"global rank 1 is in consolidate_state_dict() after {behind} step(s)" in text0
-        assert text1.startswith("consolidate_state_dict() is collective but only 1 of the 2")
-    assert f"global rank 0 is in step() (its step {ahead})" in text1, text1
-
-
-@pytest.mark.parametrize("mistake", ["skip", "twice"])
-def test_under_ddp_the_stepping_rank_raises_at_the_first_step_out_of_step(pool, mistake):
-    """The other rank is in DDP's own all-reduce (torch's reducer), which oss_plus does not
-    wait for: it stays there until its peer's process exits (gloo: "Connection closed by
-    peer") or the group's timeout. Documented in docs/reliability.md."""
-    with pytest.raises(RemoteError) as info:
-        pool.run(skip_task, "ddp", mistake, world_size=2, timeout=TASK_TIMEOUT_S)
-    ((kind0, text0, took0, steps0),) = results(info, ranks=(0,))
-    ahead = 2 + (mistake == "twice")
-    assert kind0 == "RuntimeError" and took0 < BOUND_S, (text0, took0)
-    assert text0.startswith(
-        f"step() is collective, but the parameter sync of this rank's step {ahead} "
-    ), text0
-    assert "global rank 1 is in no collective call of oss_plus" in text0, text0
-
-
-def mixed_task(ctx, call):
+def mixed(ctx, call):
     """Rank 0 steps while rank 1 clips, consolidates or saves a checkpoint."""
     net, opt = build(ctx, "oss")
     iteration(net, opt, 0)
     backward(net, 1)
+    calls = {
+        "clip_grad_norm()": lambda: opt.clip_grad_norm(1.0),
+        "consolidate_state_dict()": opt.consolidate_state_dict,
+        "save_checkpoint()": lambda: save_checkpoint(opt, ctx.path),
+    }
     with short_arrival():
-        calls = {
-            "clip_grad_norm()": lambda: opt.clip_grad_norm(1.0),
-            "consolidate_state_dict()": opt.consolidate_state_dict,
-            "save_checkpoint()": lambda: _save(opt, ctx),
-        }
-        report(timed(opt.step if ctx.rank == 0 else calls[call]))
+        return timed(opt.step if ctx.rank == 0 else calls[call])
 
 
-def _save(opt, ctx):
-    import tempfile
+SCENARIOS = {
+    **{f"{kind}-skip": (skipped, kind, "skip") for kind in ("oss", "fairscale", "torch")},
+    **{f"{kind}-skip": (skipped, kind, "skip") for kind in ("attach", "sdp", "ddp")},
+    "oss-twice": (skipped, "oss", "twice"),
+    "sdp-twice": (skipped, "sdp", "twice"),
+    **{call: (mixed, call) for call in ("clip_grad_norm()", "save_checkpoint()")},
+}
 
-    from oss_plus import save_checkpoint
 
-    with tempfile.TemporaryDirectory() as path:
-        save_checkpoint(opt, path)
+def pairs_task(ctx, first, second, path):
+    """``first`` on global ranks (0, 1), ``second`` on (2, 3), each on a pair group of its own."""
+    pairs = [dist.new_group(r, timeout=PAIR_TIMEOUT) for r in ((0, 1), (2, 3))]
+    group = pairs[ctx.global_rank // 2]
+    name = first if ctx.global_rank < 2 else second
+    mine = SimpleNamespace(
+        group=group, rank=dist.get_rank(group), global_rank=ctx.global_rank, path=path + name
+    )
+    fresh(ctx, dist.get_process_group_ranks(group))
+    fn, *args = SCENARIOS[name]
+    return fn(mine, *args)
+
+
+def fresh(ctx, ranks) -> None:
+    """Withdraw what this worker posted in an earlier test (a position is read for a few
+    seconds), then wait until every worker did, over the pool's own group."""
+    positions.clear(_arrival._store(), ranks, ctx.global_rank)
+    dist.barrier(group=ctx.group)
+
+
+def check_skipped(name, results, members):
+    """Rank 0 of the pair made one step more; each rank names where the other is."""
+    (kind0, text0, took0, steps0), (kind1, text1, took1, steps1) = results
+    kind, mistake = name.split("-")
+    first, second = members
+    assert kind0 == "RuntimeError" and took0 < BOUND_S, (text0, took0)
+    ahead, behind = 3 + (mistake == "twice"), 3 - (mistake == "skip")
+    if kind == "attach":  # rank 0's last step returned with its sync in flight
+        assert steps0 == ahead and steps1 == behind and kind1 == "RuntimeError"
+        for text in (text0, text1):
+            assert text.startswith(
+                "consolidate_state_dict() was called on every rank of the process group, but "
+                f"after different numbers of step() (global rank {first} after {ahead} "
+                f"step(s), global rank {second} after {behind} step(s))"
+            ), text
+        return
+    if kind in ("sdp", "ddp"):  # caught at the first step out of step: the next backward()
+        ahead = 2 + (mistake == "twice")
+    assert text0.startswith(
+        f"step() is collective, but the parameter sync of this rank's step {ahead} "
+    ), text0
+    assert f"global rank {first} (this rank) is here" in text0, text0
+    if kind == "ddp":  # rank 1 waits in DDP's own all-reduce: gloo's error at the pair timeout
+        assert f"global rank {second} is in no collective call of oss_plus" in text0, text0
+        assert kind1 == "RuntimeError" and not text1.startswith(("step()", "backward()")), text1
+        return
+    assert kind1 == "RuntimeError" and took1 < BOUND_S, (text1, took1)
+    if kind == "sdp":  # rank 1 is in its next backward(), whose reduction pairs with nothing
+        assert f"global rank {second} is in ShardedDataParallel's backward()" in text0, text0
+        assert text1.startswith("backward() is collective, but one of its collectives"), text1
+    else:
+        assert steps1 == behind, steps1
+        assert f"global rank {second} is in consolidate_state_dict() after {behind} step(s)" in (
+            text0
+        )
+        assert text1.startswith("consolidate_state_dict() is collective but only 1 of the 2")
+    assert f"global rank {first} is in step() (its step {ahead})" in text1, text1
+
+
+def check_mixed(call, results, members):
+    (kind0, text0, took0), (kind1, text1, took1) = results
+    first, second = members
+    assert kind0 == kind1 == "RuntimeError", (text0, text1)
+    assert text0.startswith("step() is collective, but the parameter sync of this rank's step 2 ")
+    assert f"global rank {second} is in {call} after 1 step(s)" in text0, text0
+    assert text1.startswith(f"{call} is collective but only 1 of the 2"), text1
+    assert f"global rank {first} is in step() (its step 2)" in text1, text1
+    assert took0 < BOUND_S and took1 < BOUND_S, (took0, took1)
 
 
 @pytest.mark.parametrize(
-    "call", ["clip_grad_norm()", "consolidate_state_dict()", "save_checkpoint()"]
+    "first,second",
+    [
+        ("oss-skip", "fairscale-skip"),
+        ("torch-skip", "attach-skip"),
+        ("sdp-skip", "oss-twice"),
+        ("ddp-skip", "clip_grad_norm()"),
+        ("sdp-twice", "save_checkpoint()"),
+    ],
 )
-def test_step_against_another_call_raises_on_both_ranks(pool, call):
-    with pytest.raises(RemoteError) as info:
-        pool.run(mixed_task, call, world_size=2, timeout=TASK_TIMEOUT_S)
-    (kind0, text0, took0), (kind1, text1, took1) = results(info)
-    assert kind0 == kind1 == "RuntimeError", (text0, text1)
-    assert text0.startswith("step() is collective, but the parameter sync of this rank's step 2 ")
-    assert f"global rank 1 is in {call} after 1 step(s)" in text0, text0
-    assert text1.startswith(f"{call} is collective but only 1 of the 2"), text1
-    assert "global rank 0 is in step() (its step 2)" in text1, text1
-    assert took0 < BOUND_S and took1 < BOUND_S, (took0, took1)
+def test_a_rank_out_of_step_raises_naming_where_each_rank_is(pool, tmp_path, first, second):
+    """Without DDP, with ``attach``, both adapters, ``ShardedDataParallel`` and DDP; a skipped
+    and a doubled step; a step against a clip and a checkpoint save."""
+    results = pool.run(
+        pairs_task, first, second, str(tmp_path / "ckpt-"), world_size=4, timeout=TASK_TIMEOUT_S
+    )
+    for name, pair, members in ((first, results[:2], (0, 1)), (second, results[2:], (2, 3))):
+        if name.endswith("()"):
+            check_mixed(name, pair, members)
+        else:
+            check_skipped(name, pair, members)
 
 
 def construct_task(ctx, tag):
     """Rank 0 constructs an OSS, rank 1 does not (it waits out of band); then both do."""
     got, store = None, _arrival._store()
+    fresh(ctx, (0, 1))
     with short_arrival():
         if ctx.rank == 0:
             got = timed(lambda: OSS(make_model().parameters(), group=ctx.group))

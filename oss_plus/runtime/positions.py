@@ -117,14 +117,14 @@ def _key(ranks: Sequence[int], rank: int) -> str:
 
 
 def grace(timeout: timedelta) -> float:
-    """Seconds to wait for the others' positions: :data:`GRACE_S`, or the arrival timeout
-    when it is shorter (PURE).
+    """Seconds to wait for the others' positions: :data:`GRACE_S`, or half the arrival
+    timeout when that is shorter (PURE).
 
     Example:
         >>> grace(timedelta(seconds=1)), grace(timedelta(seconds=60))
-        (1.0, 5.0)
+        (0.5, 5.0)
     """
-    return min(GRACE_S, timeout.total_seconds())
+    return min(GRACE_S, timeout.total_seconds() / 2)
 
 
 def post(store: Any, ranks: Sequence[int], rank: int, where: str) -> None:
