@@ -29,3 +29,24 @@ intersphinx_mapping = {}
 html_theme = "alabaster"
 nitpicky = False
 suppress_warnings = ["myst.xref_missing"]
+
+
+def _public_bases(app, name, obj, options, bases):
+    """Show ``OSS`` as the ``torch.optim.Optimizer`` it is: its internal mixins (plan views,
+    clipping, state dicts, ...) are parts of it, not what it is; an adapter's internal base
+    is shown as ``oss_plus.OSS``."""
+    from oss_plus import OSS
+
+    if not (isinstance(obj, type) and issubclass(obj, OSS)):
+        return
+    shown = []
+    for base in bases:
+        if base.__module__.startswith("oss_plus") and base is not OSS:
+            base = OSS if issubclass(base, OSS) else None
+        if base is not None and base not in shown:
+            shown.append(base)
+    bases[:] = shown
+
+
+def setup(app):
+    app.connect("autodoc-process-bases", _public_bases)

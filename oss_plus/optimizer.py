@@ -28,6 +28,7 @@ from oss_plus.planning.partition import Rule
 from oss_plus.planning.plan import ShardPlan, ShardPolicy, make_plan
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
+from oss_plus.state import copies
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.state.extras import Extras
 from oss_plus.state.index import ParamState, copy_hyper
@@ -105,8 +106,15 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         >>> opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=1e-3)  # doctest: +SKIP
         >>> loss.backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
 
+    ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` of an ``OSS`` raise
+    TypeError saying how to keep its state instead (:mod:`oss_plus.state.copies`).
+
     .. warning:: Collective: construct on every rank of ``group``.
     """
+
+    # copy.deepcopy, copy.copy, pickle and torch.save raise TypeError: oss_plus.state.copies
+    __deepcopy__ = copies.refuse_deepcopy
+    __reduce_ex__ = copies.refuse_reduce
 
     def __init__(
         self,
@@ -127,6 +135,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
+        _arrival.check_arrival(self.group, f"{type(self).__name__}()")  # on some ranks: raise
         if replicate_group is not None:  # before anything else: a mistake raises everywhere
             hybrid.check_groups(self.group, replicate_group)
         #: The ranks holding the same shard (hybrid sharding), or None.
@@ -172,6 +181,14 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
     def plan(self) -> ShardPlan:
         """The current shard plan (a frozen value; a new object after every repartition)."""
         return self._shard.plan
+
+    @property
+    def step_count(self) -> int:
+        """The :meth:`step` calls this rank made that ran the parameter sync (a failed local
+        step included; a step a ``GradScaler`` skipped on every rank not). Every rank holds
+        the same count: the collective entry points compare it and raise when it differs
+        (:data:`oss_plus.runtime.arrival.STEPS_DIFFER`). Read-only, not saved in state."""
+        return self._driver.steps
 
     @property
     def policy(self) -> ShardPolicy:
@@ -238,7 +255,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         .. warning:: Collective: call on every rank of ``group`` with the same plan (a call
             on some ranks only raises there, :mod:`oss_plus.runtime.arrival`).
         """
-        with _arrival.entry(self.group, "repartition()"):
+        with _arrival.entry(self.group, "repartition()", steps=self.step_count):
             self._replanner.adopt(plan, pin)  # settles the last step first
         self.drop_consolidated()
 
@@ -388,7 +405,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         if not self._initialized:
             super().add_param_group(param_group)
             return
-        with _arrival.entry(self.group, "add_param_group()"):
+        with _arrival.entry(self.group, "add_param_group()", steps=self.step_count):
             self.settle()
             super().add_param_group(_params.new_group(param_group, self.flat_params()))
             self._replanner.add_group()
@@ -405,5 +422,5 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         .. warning:: Collective: call on every rank of ``group`` (a call on some ranks only
             raises there within the arrival timeout, :mod:`oss_plus.runtime.arrival`).
         """
-        with _arrival.entry(self.group, "refresh_trainable()"):
+        with _arrival.entry(self.group, "refresh_trainable()", steps=self.step_count):
             self.repartition()

@@ -19,6 +19,8 @@ for a whole test session. Design:
   ``pool.run(_check_sum, 3, world_size=2)`` runs ``_check_sum(ctx, 3)``.
 * Results come back as ``pickle.dumps`` bytes on a plain multiprocessing queue,
   which keeps torch's shared-memory tensor reductions (and fd passing) out.
+  An ``OSS`` in a result (it refuses to be pickled, :mod:`oss_plus.state.copies`) comes
+  back as a string naming its class.
 * Failures are handled fast: an exception on any rank raises
   :class:`RemoteError` with the remote tracebacks, a missing answer raises
   :class:`PoolTimeout`, and a dead worker is noticed by polling its exit code.
@@ -32,6 +34,7 @@ for a whole test session. Design:
 from __future__ import annotations
 
 import atexit
+import io
 import logging
 import multiprocessing as mp
 import os
@@ -53,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from oss_plus.runtime.launch import free_port, init_local_group
+from oss_plus.state.copies import refuse_reduce
 
 __all__ = ["GROUP_RANKS", "PoolError", "PoolTimeout", "RankContext", "RemoteError", "WorkerPool"]
 
@@ -181,12 +185,28 @@ def _worker_main(
         task_id = message[0]
         reply: tuple[int, int, bool, bytes | str]
         try:
-            data = pickle.dumps(_run_task(message, global_rank, groups))
+            data = _dumps(_run_task(message, global_rank, groups))
             reply = (task_id, global_rank, True, data)
         except BaseException:  # noqa: BLE001 - reported to the parent
             reply = (task_id, global_rank, False, traceback.format_exc())
         results.put(pickle.dumps(reply))
     dist.destroy_process_group()
+
+
+class _ResultPickler(pickle.Pickler):
+    """Pickles a task's result; an ``OSS`` in it (which refuses to be pickled:
+    :mod:`oss_plus.state.copies`) comes back as a string naming its class."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if getattr(type(obj), "__reduce_ex__", None) is refuse_reduce:
+            return str, (f"<{type(obj).__name__} object>",)
+        return NotImplemented
+
+
+def _dumps(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _ResultPickler(buffer).dump(value)
+    return buffer.getvalue()
 
 
 class WorkerPool:

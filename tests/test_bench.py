@@ -23,14 +23,8 @@ from oss_plus.bench import (
     zero2,
 )
 from oss_plus.bench.impls import IMPLS, Impl
-from oss_plus.bench.step_bench import (
-    ALL_IMPLS,
-    FULL_SWEEP_SIZES,
-    MAIN_IMPLS,
-    BenchConfig,
-    BenchResult,
-    run,
-)
+from oss_plus.bench.step_bench import BenchResult, run
+from oss_plus.bench.step_config import ALL_IMPLS, FULL_SWEEP_SIZES, MAIN_IMPLS, BenchConfig
 from oss_plus.bench.summary import WIDTH, summary_table
 from oss_plus.cli import build_parser, main
 from oss_plus.runtime.launch import visible_gpus

@@ -16,6 +16,7 @@ from oss_plus import OSS
 from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
 from oss_plus.runtime import arrival as _arrival
+from oss_plus.runtime.positions import NOT_REPORTED as NO_CALL
 from oss_plus.state.api import STATE_DICT_HINT
 
 KINDS = ["oss", "fairscale", "torch"]
@@ -90,17 +91,17 @@ def test_without_the_opt_in_state_dict_still_needs_a_consolidation(pool, kind):
 
 # ------------------------------------------------------------------ one rank calls
 def one_rank_task(ctx, kind, caller):
+    model = make_model()  # built and trained under the default arrival timeout (a 1 s bound
+    opt = build(kind, model, ctx, collective_state_dict=True)  # would fail a slow start)
+    train(model, opt, 2)
     default, _arrival.ARRIVAL_TIMEOUT = _arrival.ARRIVAL_TIMEOUT, timedelta(seconds=1)
     try:
-        return one_rank_scenario(ctx, kind, caller)
+        return one_rank_scenario(ctx, model, opt, caller)
     finally:
         _arrival.ARRIVAL_TIMEOUT = default
 
 
-def one_rank_scenario(ctx, kind, caller):
-    model = make_model()
-    opt = build(kind, model, ctx, collective_state_dict=True)
-    train(model, opt, 2)
+def one_rank_scenario(ctx, model, opt, caller):
     alone = catch(opt.state_dict) if ctx.rank == caller else None
     torch.distributed.barrier(group=ctx.group)  # the other rank does something else meanwhile
     together = copy.deepcopy(opt.state_dict())  # recovers once every rank calls (live tensors)
@@ -123,6 +124,9 @@ def test_a_call_on_one_rank_raises_there_and_never_hangs(pool, kind, caller):
         seconds=1.0,
         rank=f"global rank {caller}",
         hint=STATE_DICT_HINT,
+    ) + _arrival.WHERE.format(
+        where=f"global rank 0 {'(this rank) is here' if caller == 0 else NO_CALL}; "
+        f"global rank 1 {'(this rank) is here' if caller == 1 else NO_CALL}"
     )
     after_two, after_three = reference_state(2), reference_state(3)
     for _, together, _ in results:

@@ -255,10 +255,10 @@ def test_full_state_dict_and_cpu_offload(pool, rule):
 
 # ------------------------------------------------------------------ some ranks only
 def alone_task(ctx):
+    model, opt = build("oss", ctx)  # under the default arrival timeout: a slow start is fine
+    train(model, opt, 1)
     default, _arrival.ARRIVAL_TIMEOUT = _arrival.ARRIVAL_TIMEOUT, timedelta(seconds=1)
     try:
-        model, opt = build("oss", ctx)
-        train(model, opt, 1)
         alone = catch(get_state_dict, model, opt) if ctx.rank == 0 else None
         torch.distributed.barrier(group=ctx.group)
         together = get_optimizer_state_dict(model, opt)  # every rank: works again

@@ -72,3 +72,41 @@ def test_planning_knows_low_bit_optimizers_by_table_only():
     files = sorted(PLANNING.glob("*.py"))
     offenders = [f"{p.name}:{line}" for p in files for line in optional_imports(p.read_text())]
     assert not offenders, "planning is pure: " + ", ".join(offenders)
+
+
+def _imports(root: Path) -> dict[str, set[str]]:
+    """For every module of ``oss_plus`` (packages apart), the modules it imports from
+    ``oss_plus``: at the top, in functions and under ``TYPE_CHECKING`` alike."""
+    modules = {
+        ".".join(p.relative_to(root.parent).with_suffix("").parts): p
+        for p in root.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("oss_plus"):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    edges[name].add(target if target in modules else str(node.module))
+    return {m: {t for t in e if t in modules} for m, e in edges.items()}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Each file imports only downwards (issue 55: four circles inside subpackages, e.g.
+    ``compat/fairscale.py`` <-> ``compat/_install.py``, were untied)."""
+    edges = _imports(PLANNING.parent)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            if module == goal:
+                return True
+            if module not in seen:
+                seen.add(module)
+                todo.extend(edges[module])
+        return False
+
+    circles = sorted((a, b) for a, targets in edges.items() for b in targets if reaches(b, a))
+    assert not circles, circles

@@ -193,13 +193,16 @@ def test_every_module_of_the_02_root_still_imports():
 
 
 def test_the_root_is_small():
-    """Issue 44: at most 12 modules at the root, none over ~400 lines in the package."""
+    """Issue 44: at most 12 modules at the root, none over ~400 lines in the package; the OSS
+    class's module, the public surface with its docstrings, up to 450 (issue 55)."""
     package = ROOT / "oss_plus"
     assert len(list(package.glob("*.py"))) <= 12
+    bound = {"optimizer.py": 450}
     long = {
-        str(p.relative_to(package)): n
+        name: n
         for p in package.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 400
+        if (n := len(p.read_text().splitlines()))
+        > bound.get(name := str(p.relative_to(package)), 400)
     }
     assert not long, long
 

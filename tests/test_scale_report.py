@@ -174,13 +174,14 @@ def test_plan_predicts_the_bytes_counted_on_gloo(pool, world, rule):
 
 
 def test_the_tables_of_docs_partition_are_the_commands_output(capsys):
-    """Every ``$ oss-plus plan ... --nodes`` block of docs/partition.md is what the command
-    prints now."""
+    """Every ``$ oss-plus plan ... --nodes`` block of docs/hybrid.md and docs/partition.md is
+    what the command prints now."""
     from pathlib import Path
 
-    text = (Path(__file__).parent.parent / "docs" / "partition.md").read_text()
+    docs = Path(__file__).parent.parent / "docs"
+    text = (docs / "hybrid.md").read_text() + (docs / "partition.md").read_text()
     blocks = [b for b in text.split("```\n$ oss-plus plan ")[1:]]
-    assert len(blocks) == 2  # Adam at 64 x 8; Muon + AdamW at 16 x 8
+    assert len(blocks) == 2  # Adam at 64 x 8 (hybrid.md); Muon + AdamW at 16 x 8 (partition.md)
     for block in blocks:
         command, printed = block.split("```")[0].split("\n", 1)
         assert main(["plan", *command.split()]) == 0

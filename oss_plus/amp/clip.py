@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +58,7 @@ from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.runtime.trace import label
 from oss_plus.step.pieces import PieceTargets
+from oss_plus.step.shard import LocalShard
 
 __all__ = [
     "ShardedClip",
@@ -324,9 +325,14 @@ class ShardedClip:
 
     group: Any
     # provided by oss_plus.OSS
-    local_shard: Any
     settle: Callable[[], None]
     trainability_changed: Callable[[], bool]
+    if TYPE_CHECKING:  # properties of oss_plus.OSS
+
+        @property
+        def local_shard(self) -> LocalShard: ...
+        @property
+        def step_count(self) -> int: ...
 
     def clip_grad_norm(
         self,
@@ -370,7 +376,8 @@ class ShardedClip:
         .. warning:: Collective: call on every rank of ``group`` (a call on some ranks only
             raises there within the arrival timeout, :mod:`oss_plus.runtime.arrival`).
         """
-        with _arrival.entry(self.group if group is None else group, "clip_grad_norm()"):
+        over = self.group if group is None else group
+        with _arrival.entry(over, "clip_grad_norm()", steps=self.step_count):
             self.settle()
             shard = self.local_shard
             changed = self.trainability_changed()  # the next step() repartitions

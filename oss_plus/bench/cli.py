@@ -1,6 +1,6 @@
 """``oss-plus bench`` (``python -m oss_plus bench``): the benchmarks from the command line.
 
-The step benchmark by default: the main rows (:data:`~oss_plus.bench.step_bench.MAIN_IMPLS`),
+The step benchmark by default: the main rows (:data:`~oss_plus.bench.step_config.MAIN_IMPLS`),
 3 rounds, the RSS of each, no sweeps (about a minute of 2 idle cores); ``--quick`` one round,
 ``--full`` every row and the size sweep. It prints where the JSON goes first, a line of
 progress on stderr per round and row, then a summary within 100 columns
@@ -19,13 +19,8 @@ from typing import Any
 from oss_plus.bench import report
 from oss_plus.bench.impls import IMPLS
 from oss_plus.bench.progress import PREFIX, say
-from oss_plus.bench.step_bench import (
-    ALL_IMPLS,
-    FULL_SWEEP_SIZES,
-    MEMORY_IMPLS,
-    BenchConfig,
-    run,
-)
+from oss_plus.bench.step_bench import MEMORY_IMPLS, run
+from oss_plus.bench.step_config import ALL_IMPLS, FULL_SWEEP_SIZES, BenchConfig
 from oss_plus.bench.summary import summary_table
 
 #: ``--quick``: one round, few steps, no sweeps; the main rows only.

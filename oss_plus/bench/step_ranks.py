@@ -12,7 +12,7 @@ import os
 import random
 import resource
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +28,8 @@ from oss_plus.bench.measure import (
     timed,
 )
 from oss_plus.bench.progress import Progress, Ticker
+from oss_plus.bench.step_config import BenchConfig
 from oss_plus.runtime import dist as _dist
-
-if TYPE_CHECKING:
-    from oss_plus.bench.step_bench import BenchConfig
 
 #: max_norm used when timing clip_grad_norm: large, so the grads are left unchanged.
 CLIP_NORM = 1e9

@@ -81,7 +81,7 @@ def load_checkpoint(
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "load_checkpoint")
-    with _arrival.entry(optimizer.group, "load_checkpoint()"):
+    with _arrival.entry(optimizer.group, "load_checkpoint()", steps=optimizer.step_count):
         _load(optimizer, Path(path), allow_other_optimizer)
 
 

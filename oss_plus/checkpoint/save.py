@@ -118,7 +118,7 @@ def save_checkpoint(
     .. warning:: Collective: call on every rank of ``group``.
     """
     check_optimizer(optimizer, "save_checkpoint")
-    with _arrival.entry(optimizer.group, "save_checkpoint()"):
+    with _arrival.entry(optimizer.group, "save_checkpoint()", steps=optimizer.step_count):
         optimizer.settle()  # the last step's sync done and its status raised on every rank
         replicas = getattr(optimizer, "replicate_group", None)
         if replicas is not None:

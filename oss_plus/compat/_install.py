@@ -70,6 +70,14 @@ SHIM_VERSION = "0.4.13"
 
 #: "patched" or "shim" once installed; the replaced attributes; the hook.
 _installed: dict[str, Any] = {"mode": None, "saved": {}, "finder": None}
+#: The class fairscale's ``OSS`` resolves to, given by :mod:`oss_plus.compat.fairscale` at its
+#: import (:func:`provide`), so that this module imports nothing above it.
+_provided: dict[str, Any] = {}
+
+
+def provide(oss: type) -> None:
+    """Register the adapter class that :func:`install` puts in place of fairscale's ``OSS``."""
+    _provided["OSS"] = oss
 
 
 class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -101,9 +109,9 @@ class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _replacements() -> dict[str, dict[str, Any]]:
     """What each fairscale module exposes from oss_plus (imported lazily)."""
     from oss_plus.amp.scaler import ShardedGradScaler
-    from oss_plus.compat.fairscale import OSS
     from oss_plus.data_parallel import ShardedDataParallel
 
+    OSS = _provided["OSS"]  # noqa: N806 - a class
     sdp = {"ShardedDataParallel": ShardedDataParallel}
     return {
         "fairscale.optim": {"OSS": OSS},

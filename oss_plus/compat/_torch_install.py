@@ -29,6 +29,14 @@ _ATTRIBUTE = "ZeroRedundancyOptimizer"
 
 #: The replaced attributes, by module name, while installed.
 _saved: dict[str, Any] = {}
+#: The adapter class, given by :mod:`oss_plus.compat.torch` at its import (:func:`provide`),
+#: so that this module imports nothing above it.
+_provided: dict[str, Any] = {}
+
+
+def provide(zero: type) -> None:
+    """Register the class :func:`install` puts in place of torch's."""
+    _provided[_ATTRIBUTE] = zero
 
 
 def install() -> bool:
@@ -52,12 +60,11 @@ def install() -> bool:
     """
     if _saved:
         return False
-    from oss_plus.compat.torch import ZeroRedundancyOptimizer
-
+    zero = _provided[_ATTRIBUTE]
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         _saved[name] = getattr(module, _ATTRIBUTE)
-        setattr(module, _ATTRIBUTE, ZeroRedundancyOptimizer)
+        setattr(module, _ATTRIBUTE, zero)
     logger.info("torch.distributed.optim.ZeroRedundancyOptimizer now resolves to oss_plus")
     return True
 

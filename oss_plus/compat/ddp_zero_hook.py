@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -42,7 +42,28 @@ from oss_plus.planning.partition import Rule
 from oss_plus.planning.plan import ShardPlan
 
 if TYPE_CHECKING:
-    from oss_plus.compat.torch import ZeroRedundancyOptimizer
+    from oss_plus.optimizer import OSS
+
+
+class ZeroRedundancyOptimizer(Protocol):
+    """What the hooks use of :class:`oss_plus.compat.torch.ZeroRedundancyOptimizer` (typed
+    here, so that this module imports nothing above it)."""
+
+    _overlap: Any
+    group: Any
+    process_group: Any
+    rank: int
+    world_size: int
+
+    def flat_params(self) -> list[torch.Tensor]:
+        """Every param in flat-index order."""
+
+    def install_sync(self, make: Callable[[], Any] | None = None) -> None:
+        """Install a parameter sync."""
+
+    def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
+        """Adopt a plan."""
+
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -242,7 +263,7 @@ def _make(
     engine = DDPOverlap(
         hook,
         ddp,
-        zero,
+        cast("OSS", zero),  # the adapter is an OSS
         interleaved=interleaved,
         planner=lambda index, params: _plan_of(zero).pieces(index, params),
         gate=TorchWarmup(zero, shard_buckets),

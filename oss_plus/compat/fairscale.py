@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.optim import SGD, Optimizer
 
 from oss_plus.compat._base import CompatOSS
-from oss_plus.compat._install import install, is_installed, uninstall
+from oss_plus.compat._install import install, is_installed, provide, uninstall
 from oss_plus.planning.partition import Rule
 from oss_plus.planning.policy import Layout, LocalOrder, ShardPolicy
 from oss_plus.runtime import dist as _dist
@@ -233,3 +233,6 @@ class OSS(CompatOSS):
             filter_params_fn,
             group=dist.group.WORLD if group is None else group,
         )
+
+
+provide(OSS)  # what install() puts in fairscale's place

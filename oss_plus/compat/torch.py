@@ -27,7 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from oss_plus.compat._base import CompatOSS
-from oss_plus.compat._torch_install import install, is_installed, uninstall
+from oss_plus.compat._torch_install import install, is_installed, provide, uninstall
 from oss_plus.compat._torch_params import (  # noqa: F401 - the messages are public here too
     FUNCTIONAL_OPTIMIZER,
     GROUP_PARAMS_SET,
@@ -52,6 +52,7 @@ from oss_plus.compat.ddp_zero_hook import (
 )
 from oss_plus.planning.partition import Rule
 from oss_plus.planning.policy import Layout, ShardPolicy
+from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
 from oss_plus.state.torch_callers import GET, torch_options
 from oss_plus.step import params as _params
@@ -207,9 +208,12 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
     def _raise_on_every_rank(self, error: Exception, process_group: Any) -> NoReturn:
         """Raise ``error`` here and an error on the ranks whose params were fine.
 
-        Takes part in the same collective the core's constructor makes on the other ranks.
+        Takes part in the arrival check and the collective the core's constructor makes on
+        the other ranks.
         """
-        _params.check_same_model(None, error, _dist.resolve_group(process_group))
+        group = _dist.resolve_group(process_group)
+        _arrival.check_arrival(group, f"{type(self).__name__}()")
+        _params.check_same_model(None, error, group)
         raise error  # check_same_model raised it already; for type checkers
 
     # ----------------------------------------------------------------- torch attributes
@@ -359,3 +363,4 @@ def _register_as_torch_zero() -> bool:
 
 
 _register_as_torch_zero()
+provide(ZeroRedundancyOptimizer)  # what install() puts in torch's place

@@ -1,10 +1,9 @@
 """The gradient buckets of a reduce plan: their storage and the collectives that send them.
 
 Storage. A bucket this rank owns (uncompressed, contiguous members) has a *persistent* flat
-buffer, allocated once; its params' ``.grad`` are views of it, like DDP's
-``gradient_as_bucket_view``, so a gradient accumulated into ``.grad`` lands in the bucket
-and nothing is copied. Other buckets are *transient*: allocated when their first gradient
-arrives (:meth:`Buckets.staged`), released when their collective completes.
+buffer, allocated once; its params' ``.grad`` are views of it (DDP's ``gradient_as_bucket_view``:
+nothing is copied). Other buckets are *transient*: allocated when their first gradient arrives
+(:meth:`Buckets.staged`), released when their collective completes.
 
 Collectives (:func:`~oss_plus.data_parallel.plan.launch_groups`):
 
@@ -17,23 +16,22 @@ Collectives (:func:`~oss_plus.data_parallel.plan.launch_groups`):
 A flat key's bucket (an optimizer with ``partition_rule="flat"``,
 :mod:`oss_plus.data_parallel.flat`) is a slice of one rank's range of the key's gradient
 buffer. Its owner keeps one persistent buffer per key over its range (allocated once): the
-bucket is a view of it, the whole params inside it have ``.grad`` as views of it, and a
-piece of a param cut by a range boundary is a view of it too (handed to the optimizer).
-Other ranks stage the slice in a transient buffer (zeroed where the layout pads between
-params). Each such bucket travels alone, with one ``dist.reduce`` to its owner.
+bucket, the ``.grad`` of the whole params inside it and the piece of a param cut by a range
+boundary (handed to the optimizer) are views of it. Other ranks stage the slice in a transient
+buffer (zeroed between params). Each such bucket travels alone, one ``dist.reduce`` to its owner.
 
 Groups launch strictly in plan order, each when all its buckets are full, so every rank
 issues the same collectives in the same order. At launch the buffer is scaled by
 ``1 / world_size`` (DDP's ``mul_out``; compressed: divided in the wire dtype, as DDP's
-compress hooks). On gloo every collective returns only after gloo's worker released its
-tensors (:func:`oss_plus.runtime.dist.await_release`: a reference dropped later could abort the
-process at exit, docs/reliability.md).
+compress hooks). On gloo a wait is bounded by the arrival timeout (a rank out of step:
+:mod:`oss_plus.runtime.positions`) and returns once gloo's worker released the tensors
+(:func:`oss_plus.runtime.dist.await_release`, docs/reliability.md).
 
 Hybrid sharding (``replicate``: the ranks owning the same buckets in the other shard
 groups): the scale is ``1 / (world_size x replicas)``; when a group's collective completed
-(polled, no host read), the owner all-reduces its bucket (flags included) across the
-replicas, and the bucket's results are taken when that completed. Groups complete in launch
-order, so every replica issues the same all-reduces in the same order.
+(polled, no host read), the owner all-reduces its bucket (flags included) across the replicas
+and takes the results when that completed. Groups complete in launch order, so every replica
+issues the same all-reduces in the same order.
 """
 
 from __future__ import annotations
@@ -48,6 +46,8 @@ import torch.distributed as dist
 from oss_plus.data_parallel.compress import buffer_dtype
 from oss_plus.data_parallel.plan import ReducePlan, launch_groups
 from oss_plus.runtime import dist as _dist
+from oss_plus.runtime import positions
+from oss_plus.runtime.arrival import arrival_timeout
 from oss_plus.runtime.trace import label
 
 __all__ = ["COLLECTIVES", "Buckets", "pick_collective"]
@@ -105,6 +105,7 @@ class Buckets:
     ) -> None:
         self.plan, self.group, self.replicate = plan, group, replicate
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._gloo = _dist.releases_late(group)  # gloo: the waits are bounded (looked up once)
         replicas = 1 if replicate is None else dist.get_world_size(replicate)
         self._divisor = self.world_size * replicas  # every rank's share of the average
         buckets = plan.buckets
@@ -343,13 +344,14 @@ class Buckets:
 
     # ----------------------------------------------------------------- completion
     def complete_oldest(self) -> None:
-        """Wait for the oldest collective (and gloo's release of its tensors); release its
-        transient buffers; queue the results of owned transient buckets. Hybrid: launch the
-        owned bucket's all-reduce across the replicas first (the rest when it completes)."""
+        """Wait for the oldest collective and gloo's release of its tensors; release its
+        transient buffers; queue owned transient results (hybrid: all-reduce them first)."""
         g, work, out, (given, counts) = self._works.popleft()
-        work.wait()
+        bound = arrival_timeout() if self._gloo else None  # NCCL: its watchdog's timeout
+        positions.wait(work, self.group, bound, "backward()", "in ShardedDataParallel's backward()")
         del work  # the work object holds the tensors too
-        _dist.await_release(given, counts, self.group)
+        if self._gloo:
+            _dist.await_counts(given, counts)
         mine = self._mine(g) if self.replicate is not None else None
         if mine is None:
             self._complete_group(g, out)

@@ -19,14 +19,31 @@ reduced without its graph and noted: the reducer refuses it at the end of that b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from oss_plus.data_parallel.reducer import GradReducer
+from oss_plus.data_parallel.buckets import Buckets
+from oss_plus.data_parallel.plan import ReducePlan
 
-__all__ = ["make_hook"]
+__all__ = ["GradReducer", "make_hook"]
+
+
+class GradReducer(Protocol):
+    """What the hooks use of :class:`oss_plus.data_parallel.reducer.GradReducer` (typed
+    here, so that this module imports nothing above it)."""
+
+    RUNNING: Any
+    buckets: Buckets
+    plan: ReducePlan
+    fired: bytearray
+    left: list[int]
+    graph_grad: bool
+    state: Any
+
+    def begin(self) -> bool:
+        """Start a reduction (see the reducer)."""
+
 
 Hook = Callable[[torch.Tensor], None]
 

@@ -19,6 +19,12 @@ The API, for any collective entry point (``with`` around its body)::
 group (``state_dict(all_ranks=True)`` consolidates) is checked once, under the outer name.
 :func:`check_arrival` is the bare check (not skipped when nested).
 
+With ``steps`` (the optimizer's :attr:`oss_plus.OSS.step_count`) the key holds the step count
+too: ranks making the same call after different numbers of steps do not meet either, and
+raise :data:`STEPS_DIFFER` naming every rank's count. A rank that waits posts where it is
+(:mod:`oss_plus.runtime.positions`); a rank that gives up names where every rank is. The
+step's own sync bounds its waits by the same timeout (:mod:`oss_plus.step.driver`).
+
 The arrival timeout is :data:`ARRIVAL_TIMEOUT` (60 s), or the seconds in the environment
 variable :data:`ARRIVAL_TIMEOUT_ENV`. A rank that legitimately arrives later than that (it
 evaluated alone before a checkpoint) makes its peers raise: raise the timeout then.
@@ -50,6 +56,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from oss_plus.runtime import positions
 from oss_plus.runtime.dist import name_rank
 
 __all__ = [
@@ -57,6 +64,7 @@ __all__ = [
     "ARRIVAL_TIMEOUT_ENV",
     "BAD_ARRIVAL_TIMEOUT",
     "NOT_ALL_ARRIVED",
+    "STEPS_DIFFER",
     "arrival_timeout",
     "check_arrival",
     "entry",
@@ -82,6 +90,19 @@ NOT_ALL_ARRIVED = (
     + ARRIVAL_TIMEOUT_ENV
 )
 
+#: Raised on every rank when every rank made the call, but after different numbers of
+#: ``step()``: a rank skipped a step or made one twice.
+STEPS_DIFFER = (
+    "{what} was called on every rank of the process group, but after different numbers of "
+    "step() ({where}): a rank skipped a step() or called it twice. Call step() on every "
+    "rank alike (to skip a step on a non-finite loss, agree on it first: every rank skips "
+    "or none does)"
+)
+
+#: Appended to :data:`NOT_ALL_ARRIVED`: where the other ranks are
+#: (:func:`oss_plus.runtime.positions.describe`).
+WHERE = ". Where the ranks are: {where}"
+
 _GO, _ABORT = b"go", b"abort"
 #: Added to the counter of an aborted attempt: a later increment returns at least this.
 _POISON = 1 << 40
@@ -104,13 +125,8 @@ _lock = threading.Lock()
 _local = threading.local()  # .active: the groups this thread is inside an entry() of
 
 
-def _store() -> Any | None:
-    """Return the default process group's store (None where torch does not expose it)."""
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return getter() if getter is not None else None
-    except (RuntimeError, ValueError):
-        return None
+#: The default process group's store (None where torch does not expose it).
+_store = positions.default_store
 
 
 def arrival_timeout() -> timedelta:
@@ -144,19 +160,28 @@ def _counts(store: Any, ranks: tuple[int, ...]) -> _Group:
 
 
 def check_arrival(
-    group: Any, what: str, timeout: timedelta | None = None, *, hint: str = ""
+    group: Any,
+    what: str,
+    timeout: timedelta | None = None,
+    *,
+    hint: str = "",
+    steps: int | None = None,
 ) -> None:
-    """Return once every rank of ``group`` called this with the same ``what``; else raise.
+    """Return once every rank of ``group`` called this with the same ``what`` (and the same
+    ``steps``); else raise, naming where the other ranks are.
 
     Args:
         group: the process group (None: WORLD).
         what: names the call in keys and errors, e.g. ``"consolidate_state_dict()"``.
         timeout: how long to wait for the other ranks (default: :func:`arrival_timeout`).
         hint: appended to the error's advice (how the call is meant to be made).
+        steps: the optimizer's :attr:`oss_plus.OSS.step_count`: every rank must have made
+            as many steps (None: not compared).
 
     Raises:
-        RuntimeError: some rank did not call within ``timeout`` (raised on every rank that
-            did).
+        RuntimeError: some rank did not call within ``timeout`` (:data:`NOT_ALL_ARRIVED`
+            with :data:`WHERE`), or every rank did after different numbers of steps
+            (:data:`STEPS_DIFFER`); raised on every rank that called.
 
     .. warning:: Collective: call on every rank of ``group``.
     """
@@ -166,38 +191,15 @@ def check_arrival(
         return
     timeout = arrival_timeout() if timeout is None else timeout
     ranks = _ranks(group)
-    prefix = f"oss_plus/arrival/{'-'.join(map(str, ranks))}"
+    me = ranks[dist.get_rank(group)]
+    where = f"in {what}" + ("" if steps is None else f" after {steps} step(s)")
+    name = what if steps is None else f"{what}@{steps}"
     with _lock:
         counts = _counts(store, ranks)
-    while True:
-        attempt = counts.attempts.get(what, 0)
-        key = f"{prefix}/{counts.calls}/{what}/{attempt}"
-        arrived = store.add(f"{key}/count", 1)
-        if arrived >= _POISON:  # aborted before this rank came: retired, try the next one
-            counts.attempts[what] = attempt + 1
-            continue
-        if arrived == world:
-            decision = store.compare_set(f"{key}/decision", "", _GO)
-        else:
-            try:
-                store.wait([f"{key}/decision"], timeout)
-                decision = store.get(f"{key}/decision")
-            except RuntimeError:  # DistStoreError: the others did not come in time
-                decision = store.compare_set(f"{key}/decision", "", _ABORT)
-        break
-    if decision != _GO:
-        arrived = store.add(f"{key}/count", _POISON) % _POISON  # retire it for the others
-        counts.attempts[what] = attempt + 1
-        raise RuntimeError(
-            NOT_ALL_ARRIVED.format(
-                what=what,
-                arrived=arrived,
-                world=world,
-                seconds=timeout.total_seconds(),
-                rank=name_rank(_ranks(group), dist.get_rank(group)),
-                hint=hint,
-            )
-        )
+    key, arrived = _arrive(store, ranks, counts, name, world, timeout, (me, where))
+    if arrived is not None:
+        found = positions.report(store, ranks, me, where, timeout)
+        raise RuntimeError(_not_arrived(what, arrived, timeout, group, hint, found, where))
     last, counts.last = counts.last, key
     counts.calls += 1
     counts.attempts.clear()
@@ -208,9 +210,79 @@ def check_arrival(
                 store.delete_key(f"{last}/{suffix}")
 
 
+def _arrive(
+    store: Any,
+    ranks: tuple[int, ...],
+    counts: _Group,
+    name: str,
+    world: int,
+    timeout: timedelta,
+    mine: tuple[int, str],
+) -> tuple[str, int | None]:
+    """Register and wait; return the key and None (every rank came), or the number of ranks
+    that came (the attempt is aborted and retired)."""
+    prefix = f"oss_plus/arrival/{'-'.join(map(str, ranks))}"
+    while True:
+        attempt = counts.attempts.get(name, 0)
+        key = f"{prefix}/{counts.calls}/{name}/{attempt}"
+        arrived = store.add(f"{key}/count", 1)
+        if arrived >= _POISON:  # aborted before this rank came: retired, try the next one
+            counts.attempts[name] = attempt + 1
+            continue
+        if arrived == world:
+            decision = store.compare_set(f"{key}/decision", "", _GO)
+            break
+        positions.post(store, ranks, *mine)  # where this rank waits, should it time out
+        try:
+            store.wait([f"{key}/decision"], timeout)
+            decision = store.get(f"{key}/decision")
+        except RuntimeError:  # DistStoreError: the others did not come in time
+            decision = store.compare_set(f"{key}/decision", "", _ABORT)
+        break
+    if decision == _GO:
+        positions.clear(store, ranks, mine[0])  # a position this rank posted is stale now
+        return key, None
+    arrived = store.add(f"{key}/count", _POISON) % _POISON  # retire it for the others
+    counts.attempts[name] = attempt + 1
+    return key, arrived
+
+
+def _not_arrived(
+    what: str,
+    arrived: int,
+    timeout: timedelta,
+    group: Any,
+    hint: str,
+    found: dict[int, str | None],
+    where: str,
+) -> str:
+    """The error of a call that did not complete: :data:`STEPS_DIFFER` when every rank is in
+    the same call (``found``: the others' positions, ``where``: this rank's), else
+    :data:`NOT_ALL_ARRIVED` with :data:`WHERE`."""
+    ranks, rank = _ranks(group), dist.get_rank(group)
+    same = f"in {what} after "
+    if where.startswith(same) and all(w and w.startswith(same) for w in found.values()):
+        steps = {r: w or "" for r, w in {**found, ranks[rank]: where}.items()}
+        named = ", ".join(f"global rank {r} after {steps[r][len(same) :]}" for r in ranks)
+        return STEPS_DIFFER.format(what=what, where=named)
+    return NOT_ALL_ARRIVED.format(
+        what=what,
+        arrived=arrived,
+        world=len(ranks),
+        seconds=timeout.total_seconds(),
+        rank=name_rank(ranks, rank),
+        hint=hint,
+    ) + WHERE.format(where=positions.describe(ranks, found, ranks[rank]))
+
+
 @contextlib.contextmanager
 def entry(
-    group: Any, what: str, *, hint: str = "", timeout: timedelta | None = None
+    group: Any,
+    what: str,
+    *,
+    hint: str = "",
+    timeout: timedelta | None = None,
+    steps: int | None = None,
 ) -> Iterator[None]:
     """Run the block of a collective entry point once every rank of ``group`` entered it.
 
@@ -222,10 +294,12 @@ def entry(
         what: names the call in the error, e.g. ``"save_checkpoint()"``.
         hint: appended to the error's advice.
         timeout: default :func:`arrival_timeout`.
+        steps: the optimizer's step count, compared too (:func:`check_arrival`).
 
     Raises:
         RuntimeError: some rank did not enter within the timeout (:data:`NOT_ALL_ARRIVED`,
-            on every rank that did).
+            on every rank that did), or entered after another number of steps
+            (:data:`STEPS_DIFFER`).
 
     Example:
         >>> with entry(opt.group, "consolidate_state_dict()"):  # doctest: +SKIP
@@ -240,7 +314,7 @@ def entry(
     if ranks in active:
         yield
         return
-    check_arrival(group, what, timeout, hint=hint)
+    check_arrival(group, what, timeout, hint=hint, steps=steps)
     active.add(ranks)
     try:
         yield

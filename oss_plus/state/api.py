@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.state import dcp as _dcp
@@ -63,6 +63,13 @@ class ShardedStateDict:
     world_size: int
     param_groups: list[dict[str, Any]]
     optim: Any
+    if TYPE_CHECKING:  # properties of oss_plus.OSS
+
+        @property
+        def local_shard(self) -> Any: ...
+        @property
+        def step_count(self) -> int: ...
+
     # provided by torch.optim.Optimizer (its state-dict hooks)
     _optimizer_state_dict_pre_hooks: Any
     _optimizer_state_dict_post_hooks: Any
@@ -76,7 +83,9 @@ class ShardedStateDict:
 
         Read by torch's ``_init_optim_state`` (DCP's state-dict functions), it is collective:
         every rank agrees whether any rank holds state (see :mod:`oss_plus.state.dcp`)."""
-        if "_shard" not in vars(self):  # torch.optim.Optimizer.__init__, before the shard
+        try:
+            self.local_shard  # noqa: B018 - raises AttributeError before the shard exists
+        except AttributeError:  # torch.optim.Optimizer.__init__, before the shard
             return {}
         if torch_callers.torch_options(torch_callers.PROBE) is not None:
             return _dcp.agreed_state(self)
@@ -126,12 +135,15 @@ class ShardedStateDict:
                 f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                 f"got {recipient_rank}"
             )
-        with _arrival.entry(self.group, "consolidate_state_dict()", hint=CONSOLIDATE_HINT):
+        steps = self.step_count
+        with _arrival.entry(
+            self.group, "consolidate_state_dict()", hint=CONSOLIDATE_HINT, steps=steps
+        ):
             self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
             copy_hyper(self.param_groups, self.optim.param_groups)
             dst = ALL_RANKS if recipient_rank == -1 else recipient_rank
             self._consolidated_copy = self._consolidated_extras = None
-            shard = self.local_shard  # type: ignore[attr-defined]
+            shard = self.local_shard
             extras = shard.extras()
             what = "consolidate_state_dict()"
             rank_0 = check_agreed(extras, self.param_groups, shard.built_groups, self.group, what)
@@ -180,7 +192,7 @@ class ShardedStateDict:
         if collective and self._consolidated_copy is None and not all_ranks:
             what, all_ranks = "state_dict()", True
         if all_ranks:
-            with _arrival.entry(self.group, what, hint=STATE_DICT_HINT):
+            with _arrival.entry(self.group, what, hint=STATE_DICT_HINT, steps=self.step_count):
                 self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
         if self._consolidated_copy is None:
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))

@@ -9,6 +9,13 @@ library's next entry point. What the peers reported is checked there
 reports :data:`~oss_plus.wire.status.OK`. A rank whose plan changed runs the sync unstepped with
 :data:`~oss_plus.wire.status.REPLAN` (:meth:`StepDriver.replan`).
 
+Every rank counts its steps (:attr:`StepDriver.steps`, public as
+:attr:`oss_plus.OSS.step_count`); the arrival checks of the collective entry points compare
+the counts. On gloo every wait for the sync is bounded by the arrival timeout
+(:func:`oss_plus.runtime.arrival.arrival_timeout`): a step whose peers are elsewhere (they
+skipped it, or called another entry point) raises :data:`STEP_NOT_MATCHED`, naming where every
+rank is (:mod:`oss_plus.runtime.positions`), instead of waiting for the group's timeout.
+
 An installed sync that is not a :class:`~oss_plus.wire.sync.BucketSync` (the contract of
 :meth:`oss_plus.OSS.install_sync`) is run the older way: ``sync(wire, error)``, which
 checks at once and raises on every rank.
@@ -18,17 +25,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
+from oss_plus.runtime import positions
+from oss_plus.runtime.arrival import arrival_timeout
 from oss_plus.wire.inflight import ForwardWaits, InFlight
 from oss_plus.wire.status import FAILED, OK, REPLAN, StepStatus
 from oss_plus.wire.sync import BucketSync
 
-__all__ = ["StepDriver"]
+__all__ = ["STEP_NOT_MATCHED", "StepDriver"]
 
 logger = logging.getLogger(__name__)
+
+#: Raised by ``step()`` (or the wait for its sync) when the peers' part of the sync did not
+#: come: ``error`` is what the backend raised, ``where`` every rank's position.
+STEP_NOT_MATCHED = (
+    "step() is collective, but the parameter sync of this rank's step {step} did not "
+    "complete ({error}; the arrival timeout is {seconds:g}s). Where the ranks are: {where}. "
+    "Every rank must call step() alike: a rank skipped a step() or called it twice, or made "
+    "another collective call meanwhile. This rank's own params took its step; the process "
+    "group is left with a collective half done: restart from a checkpoint (a rank that is "
+    "only slow needs a longer OSS_PLUS_ARRIVAL_TIMEOUT)"
+)
 
 
 class StepDriver:
@@ -42,6 +62,10 @@ class StepDriver:
 
     def __init__(self, group: Any, world_size: int) -> None:
         self.world_size = world_size
+        self.group = group
+        #: the steps this rank made (every rank alike): syncs run, a step that failed
+        #: included, a step a ``GradScaler`` skipped on every rank not
+        self.steps = 0
         self.status = StepStatus(group)
         self.inflight: InFlight | None = None
         self.waits: list[ForwardWaits] = []
@@ -50,7 +74,25 @@ class StepDriver:
         """Wait for the sync still in flight, if any (not collective)."""
         inflight, self.inflight = self.inflight, None
         if inflight is not None:
-            inflight.wait()
+            try:
+                inflight.wait()
+            except RuntimeError as exc:
+                self._not_matched(exc)
+
+    def _not_matched(self, exc: RuntimeError) -> NoReturn:
+        """Raise :data:`STEP_NOT_MATCHED` for a wait that timed out (or a backend error)."""
+        if self.world_size == 1:
+            raise exc
+        self.inflight = None
+        timeout = arrival_timeout()
+        mine = f"in step() (its step {self.steps})"
+        text = STEP_NOT_MATCHED.format(
+            step=self.steps,
+            error=positions.first_line(exc),
+            seconds=timeout.total_seconds(),
+            where=positions.where(self.group, mine, timeout),
+        )
+        raise RuntimeError(text) from exc
 
     def settle(self) -> None:
         """Wait, then raise on every rank what the last step reported (see
@@ -68,19 +110,25 @@ class StepDriver:
         .. warning:: Collective: call on every rank of the group.
         """
         if self.world_size == 1 or not isinstance(sync, BucketSync):
+            self.steps += 1
             sync.sync(wire, error)  # raises on every rank (at world size 1: here)
             return
         code = OK if error is None else FAILED
         if error is not None:
             logger.warning("the local step raised %r; every rank raises at the next check", error)
+        self.steps += 1
+        sync.timeout = arrival_timeout()
         self.inflight = inflight = sync.launch(wire, code)
         self.status.sent(code, error, sync.status)
         if not self.waits:
             self.wait()
             return
         inflight.holding = sync.holding()  # the attached forwards wait bucket by bucket
-        for waits in self.waits:
-            inflight.wait_for_params(waits.uncovered)
+        try:
+            for waits in self.waits:
+                inflight.wait_for_params(waits.uncovered)
+        except RuntimeError as exc:
+            self._not_matched(exc)
 
     def replan(self, sync: BucketSync, wire: torch.dtype | None) -> bool:
         """This rank's plan changed: run the sync unstepped with :data:`REPLAN` and read every
@@ -91,8 +139,14 @@ class StepDriver:
         .. warning:: Collective: call on every rank of the group, as its step's sync.
         """
         sync.restore(wire)  # what is sent unstepped: the params' values, as a step would
-        sync.launch(wire, REPLAN).wait()
+        sync.timeout = arrival_timeout()
+        self.steps += 1
+        try:
+            sync.launch(wire, REPLAN).wait()
+        except RuntimeError as exc:
+            self._not_matched(exc)
         if all(code == REPLAN for code in sync.status.codes(REPLAN)):
+            self.steps -= 1  # every rank repartitions, then steps: counted by its send()
             return True
         logger.warning("requires_grad changed here, not on every rank: this rank skips the step")
         self.status.sent(REPLAN, None, sync.status)
@@ -113,4 +167,7 @@ class StepDriver:
         """A forward pre-hook of :meth:`attach`: wait for the transfers of ``params``."""
         inflight = self.inflight
         if inflight is not None:
-            inflight.wait_for_params(params)
+            try:
+                inflight.wait_for_params(params)
+            except RuntimeError as exc:
+                self._not_matched(exc)

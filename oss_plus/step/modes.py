@@ -92,11 +92,13 @@ class Modes:
         @property
         def optim(self) -> Optimizer: ...
         @property
-        def sync(self) -> Any: ...
+        def sync(self) -> BucketSync: ...
         @property
         def local_shard(self) -> Any: ...
         @property
         def wire_dtype(self) -> torch.dtype | None: ...
+        @property
+        def step_count(self) -> int: ...
 
     @property
     def train(self) -> Callable[[], None]:
@@ -146,7 +148,9 @@ class Modes:
     def _switch_mode(self, name: str) -> None:
         if current_mode(self.param_groups, self.optim) is MODE_METHODS[name]:
             return  # read on the host, the same on every rank: nobody syncs
-        with _arrival.entry(self.group, f"{name}()"):  # a call on some ranks raises there
+        with _arrival.entry(
+            self.group, f"{name}()", steps=self.step_count
+        ):  # a call on some ranks raises there
             self.settle()  # the last step's sync (left in flight after attach()) lands first
             self._swap(name)
         self.drop_consolidated()

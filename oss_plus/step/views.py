@@ -10,9 +10,12 @@ of ``OSS`` (``param_groups``, ``plan``, ``local_shard``, ``world_size``, the wir
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from oss_plus.planning.plan import ShardPlan
+from oss_plus.step.shard import LocalShard
 
 __all__ = ["PlanViews"]
 
@@ -22,8 +25,13 @@ class PlanViews:
 
     # provided by oss_plus.OSS
     param_groups: list[dict[str, Any]]
-    plan: Any
-    local_shard: Any
+    if TYPE_CHECKING:  # properties of oss_plus.OSS
+
+        @property
+        def plan(self) -> ShardPlan: ...
+        @property
+        def local_shard(self) -> LocalShard: ...
+
     world_size: int
     broadcast_fp16: bool
     broadcast_dtype: torch.dtype | None

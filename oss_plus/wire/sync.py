@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -112,6 +113,10 @@ class BucketSync:
         )
         self._holding: dict[int, list[Bucket]] | None = None
         self._plans = Plans()  # which stepped tensors step which main copy
+        #: how long a wait for one transfer may take before it raises (gloo only: NCCL's
+        #: wait does not block the host, its watchdog has the group's timeout); None: as
+        #: long as the group's timeout
+        self.timeout: timedelta | None = None
 
     # ----------------------------------------------------------------- inspection
     def is_intact(self) -> bool:
@@ -230,7 +235,8 @@ class BucketSync:
             vector = self.status.send_vector(code)
             if vector is not None:
                 work, tensors = vector
-                pending.append(Pending(work.wait, list(zip(tensors, _dist.use_counts(tensors)))))
+                held = list(zip(tensors, _dist.use_counts(tensors)))
+                pending.append(Pending(functools.partial(_wait, work, self._bound()), held))
             for bucket, transfer in zip(self._broadcast, self.start(self._broadcast, wire, code)):
                 pending.append(transfer)
                 covers[id(bucket)] = transfer
@@ -293,7 +299,7 @@ class BucketSync:
         dtype: torch.dtype | None,
         brought: Sequence[Bucket],
     ) -> None:
-        work.wait()
+        _wait(work, self._bound())
         if dtype is not None:  # every region but this rank's own (widened at the launch)
             start, end = self.rank * g.region, (self.rank + 1) * g.region
             g.flat[:start].copy_(out[:start])
@@ -336,10 +342,23 @@ class BucketSync:
         held = list(zip([tensor], _dist.use_counts([tensor])))
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         fill = functools.partial(self.splits.fill, (bucket,)) if bucket.pieces else None
+        widen = dtype is not None and not mine
         finish = functools.partial(
-            _finish_broadcast, work, flat, tensor, dtype is not None and not mine, fill
+            _finish_broadcast, work, flat, tensor, widen, fill, self._bound()
         )
         return Pending(finish, held)
+
+    def _bound(self) -> timedelta | None:
+        return self.timeout if self._releases_late else None
+
+
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    """Wait for ``work``; with a ``timeout``, raise RuntimeError after it (gloo's
+    "Operation timed out!": the step's driver names where the ranks are)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 def _compressed(dtype: torch.dtype, wire: torch.dtype | None) -> bool:
@@ -352,8 +371,9 @@ def _finish_broadcast(
     tensor: torch.Tensor,
     widen: bool,
     fill: Callable[[], None] | None,
+    timeout: timedelta | None = None,
 ) -> None:
-    work.wait()
+    _wait(work, timeout)
     if widen:
         flat.copy_(tensor)
     if fill is not None:
