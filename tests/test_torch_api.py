@@ -33,7 +33,7 @@ PRIVATE = {
     "Tensor._use_count": "oss_plus/runtime/dist.py",
     "torch._C._nn.unflatten_dense_tensors": "oss_plus/data_parallel/buckets.py",
     "Variable._execution_engine.queue_callback": "oss_plus/data_parallel/reducer.py",
-    "distributed_c10d._get_default_store": "oss_plus/runtime/arrival.py",
+    "distributed_c10d._get_default_store": "oss_plus/runtime/positions.py",
     "torch._foreach_norm": "oss_plus/amp/norms.py",
     "torch._foreach_mul_": "oss_plus/amp/norms.py",
     "torch._foreach_copy_": "oss_plus/data_parallel/reducer.py",
