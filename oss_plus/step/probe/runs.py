@@ -192,10 +192,8 @@ class _Grads:
     def closure(self, step: int, scale: float) -> Callable[[], torch.Tensor]:
         def closure() -> torch.Tensor:
             loss = self.set(step, scale) if self.mode == "graph" else None
-            if loss is None:
+            if loss is None:  # the gradients are set(), as a backward of this loss would
                 loss = self.loss(step, scale)
-                with torch.enable_grad():
-                    loss.backward()
                 with self._paused():
                     for m, p in zip(self.members, self.params):  # the same values as set()
                         p.grad = m.grad(step, scale)
