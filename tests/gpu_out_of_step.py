@@ -28,6 +28,15 @@ def loss(m, it):
     return m(torch.randn(8, 32, generator=g).cuda()).pow(2).mean()
 
 
+def lockstep(m, opt, ref, plain, steps=3):
+    """``steps`` iterations of ``m`` under ``opt`` and of ``ref`` under ``plain``, alike."""
+    for it in range(steps):
+        for mm, o in ((m, opt), (ref, plain)):
+            o.zero_grad()
+            loss(mm, it).backward()
+            o.step()
+
+
 def part_a():
     from oss_plus import OSS
 
@@ -36,11 +45,7 @@ def part_a():
     m, ref = model(), model()
     opt = OSS(m.parameters(), torch.optim.Adam, lr=0.01)
     plain = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for it in range(3):
-        for mm, o in ((m, opt), (ref, plain)):
-            o.zero_grad()
-            loss(mm, it).backward()
-            o.step()
+    lockstep(m, opt, ref, plain)
     same = all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
     try:
         copy.deepcopy(opt)
@@ -69,11 +74,7 @@ def rank_b(rank, q):
         if kind == "attach":
             opt.attach(m)
         plain = torch.optim.Adam(ref.parameters(), lr=0.01)
-        for it in range(3):
-            for mm, o in ((m, opt), (ref, plain)):
-                o.zero_grad()
-                loss(mm, it).backward()
-                o.step()
+        lockstep(m, opt, ref, plain)
         opt.settle()
         out[kind + "_equal_to_plain"] = all(
             torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters())

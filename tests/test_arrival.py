@@ -92,17 +92,20 @@ class short_arrival:
             os.environ[_arrival.ARRIVAL_TIMEOUT_ENV] = self.saved
 
 
-def build(ctx, kind):
-    model = make_model()
-    params = model.parameters()
+def adam_of_kind(ctx, kind, params):
+    """Adam sharded over ``ctx.group`` by the fairscale adapter, the torch adapter or OSS."""
     if kind == "fairscale":
-        opt = fairscale.OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
-    elif kind == "torch":
-        opt = torch_compat.ZeroRedundancyOptimizer(
+        return fairscale.OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
+    if kind == "torch":
+        return torch_compat.ZeroRedundancyOptimizer(
             params, torch.optim.Adam, process_group=ctx.group, lr=0.01
         )
-    else:
-        opt = OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
+    return OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
+
+
+def build(ctx, kind):
+    model = make_model()
+    opt = adam_of_kind(ctx, kind, model.parameters())
     sdp = ShardedDataParallel(model, opt, ctx.group) if kind == "sdp" else None
     return sdp or model, opt, sdp
 

@@ -26,11 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import backward, catch, ddp_of, loss_of, make_model, run_python
-from test_arrival import short_arrival, wait_for
+from test_arrival import adam_of_kind, short_arrival, wait_for
 
 from oss_plus import OSS, ShardedDataParallel, save_checkpoint
-from oss_plus.compat import fairscale
-from oss_plus.compat import torch as torch_compat
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import positions
 from oss_plus.step import driver as _driver
@@ -44,15 +42,7 @@ PAIR_TIMEOUT = timedelta(seconds=6)
 
 def build(ctx, kind):
     model = make_model()
-    params = model.parameters()
-    if kind == "fairscale":
-        opt = fairscale.OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
-    elif kind == "torch":
-        opt = torch_compat.ZeroRedundancyOptimizer(
-            params, torch.optim.Adam, process_group=ctx.group, lr=0.01
-        )
-    else:
-        opt = OSS(params, torch.optim.Adam, group=ctx.group, lr=0.01)
+    opt = adam_of_kind(ctx, kind, model.parameters())
     net: torch.nn.Module = model
     if kind == "ddp":
         net = ddp_of(ctx, model)
