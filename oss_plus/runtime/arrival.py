@@ -49,7 +49,8 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -120,7 +121,10 @@ class _Group:
 
 #: Per group (its global ranks), for the default store of ``_state_store``.
 _groups: dict[tuple[int, ...], _Group] = {}
-_state_store: list[int] = [0]  # id() of the store the counts belong to (a new init resets)
+#: The store the counts belong to, held weakly: a new default group (a new store) resets them.
+#: Not its ``id()``: a destroyed group's store is freed and a new one can reuse its address,
+#: on one rank and not on another, and the ranks' counts then name different keys.
+_state_store: list[Callable[[], Any]] = [lambda: None]
 _lock = threading.Lock()
 _local = threading.local()  # .active: the groups this thread is inside an entry() of
 
@@ -153,10 +157,19 @@ def _ranks(group: Any) -> tuple[int, ...]:
 
 
 def _counts(store: Any, ranks: tuple[int, ...]) -> _Group:
-    if _state_store[0] != id(store):  # a new default group: every rank starts again
+    if _state_store[0]() is not store:  # a new default group: every rank starts again
         _groups.clear()
-        _state_store[0] = id(store)
+        _state_store[0] = _held_weakly(store)
     return _groups.setdefault(ranks, _Group())
+
+
+def _held_weakly(store: Any) -> Callable[[], Any]:
+    """A reference to ``store`` that does not keep it alive (torch holds the default group's
+    store while the group lives); a strong one where the store takes no weak reference."""
+    try:
+        return weakref.ref(store)
+    except TypeError:
+        return lambda: store
 
 
 def check_arrival(
