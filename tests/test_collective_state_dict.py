@@ -80,13 +80,17 @@ def off_by_default_task(ctx, kind):
     model = make_model()
     opt = build(kind, model, ctx)
     train(model, opt, 1)
-    return catch(opt.state_dict)
+    got = copy.deepcopy(opt.state_dict())
+    torch.distributed.barrier(group=ctx.group)  # each rank's optimizer lives until all read
+    return got
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_without_the_opt_in_state_dict_still_needs_a_consolidation(pool, kind):
-    for name, message in pool.run(off_by_default_task, kind, world_size=2):
-        assert name == "RuntimeError" and "consolidate_state_dict" in message
+@pytest.mark.parametrize("kind", EXACT_KINDS)
+def test_without_the_opt_in_state_dict_reads_the_shards_itself(pool, kind):
+    """No collective then: each rank reads the others' shards (issue 56, tests/test_state_read.py)."""
+    want = reference_state(1)
+    for got in pool.run(off_by_default_task, kind, world_size=2):
+        assert_same_state(got, want)
 
 
 # ------------------------------------------------------------------ one rank calls

@@ -241,6 +241,7 @@ def state_task(ctx, sd):
     mine = catch(opt.state_dict)
     local = opt._all_state_dicts
     bad_to = catch(opt.consolidate_state_dict, to=ctx.world_size)[0]
+    torch.distributed.barrier(group=ctx.group)  # each rank's optimizer lives until all read
     return unchanged, no_none, fused_step, mine, local, bad_to, params_exact, ref.state_dict()
 
 
@@ -257,9 +258,9 @@ def test_state_dict_round_trip_with_fused_adamw(pool):
         assert unchanged and no_none and fused_step == {"cpu"}
         assert exact, "the reloaded fused AdamW does not step like the plain one"
         assert bad_to == "ValueError"
-        if rank != 1:
-            assert mine == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank)) and local == []
-            continue
+        # rank 1 consolidated; the others read the shards themselves (issue 56), where
+        # torch's class raises
+        assert mine[0] == "ok"
         sd = mine[1]
         assert state_equal(sd, ref_sd), "consolidated state differs from the plain AdamW's"
         assert len(local) == 3 and sorted(sd["state"]) == list(range(8))

@@ -19,6 +19,7 @@ from oss_plus.state import torch_callers
 from oss_plus.state.agreement import check_agreed
 from oss_plus.state.consolidate import ALL_RANKS, CPU, whole_states
 from oss_plus.state.extras import Extras, attach, detach
+from oss_plus.state.pull import answer, read_whole, wait_read
 from oss_plus.state.index import (
     ParamState,
     copy_hyper,
@@ -32,7 +33,8 @@ from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = ["CONSOLIDATE_HINT", "NOT_CONSOLIDATED", "STATE_DICT_HINT", "ShardedStateDict"]
 
-#: Raised by :meth:`ShardedStateDict.state_dict` when nothing was consolidated on this rank.
+#: What :meth:`ShardedStateDict.state_dict` raised when nothing was consolidated on this rank,
+#: before it read the other ranks' shards itself (issue 56); kept for code that names it.
 NOT_CONSOLIDATED = (
     "the optimizer state has not been consolidated on this rank: call "
     "consolidate_state_dict(recipient_rank={rank}) on every rank first, or "
@@ -135,6 +137,14 @@ class ShardedStateDict:
                 f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                 f"got {recipient_rank}"
             )
+        if recipient_rank != ALL_RANKS and self.world_size > 1:  # read by the recipient alone
+            copy_hyper(self.param_groups, self.optim.param_groups)
+            if recipient_rank == self.rank:
+                self._read_whole("consolidate_state_dict()")
+            else:
+                self._consolidated_copy = self._consolidated_extras = None
+                wait_read(self, recipient_rank)
+            return
         steps = self.step_count
         with _arrival.entry(
             self.group, "consolidate_state_dict()", hint=CONSOLIDATE_HINT, steps=steps
@@ -194,8 +204,9 @@ class ShardedStateDict:
         if all_ranks:
             with _arrival.entry(self.group, what, hint=STATE_DICT_HINT, steps=self.step_count):
                 self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
-        if self._consolidated_copy is None:
-            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
+        if self._consolidated_copy is None:  # read here alone: the other ranks make no call
+            copy_hyper(self.param_groups, self.optim.param_groups)
+            self._read_whole("state_dict()")
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
         groups = pack_param_groups(self.param_groups, own_group_keys(self.optim))
         for (g, key), value in self._consolidated_groups.items():
@@ -205,6 +216,18 @@ class ShardedStateDict:
         if self._consolidated_extras is not None:  # the inner class's own format
             state_dict = attach(state_dict, self._consolidated_extras)
         return self._run_post_hooks(state_dict)
+
+    def _read_whole(self, what: str) -> None:
+        """Read every rank's shard on this rank alone and keep the whole state
+        (:func:`oss_plus.state.pull.read_whole`)."""
+        received, rank_0 = read_whole(self, what)
+        self._consolidated_copy, self._consolidated_extras = received, self.local_shard.extras()
+        self._consolidated_groups = rank_0
+
+    def _answer_read(self, request: dict[str, Any], send: Any) -> None:
+        """Serve this rank's shard to another rank's read (on the server thread,
+        :mod:`oss_plus.state.serve`)."""
+        answer(self, request, send)
 
     def _dcp_state_dict(self, options: Any) -> dict[str, Any]:
         """``state_dict()`` as torch's ``get_*state_dict`` asked for it (``options``)."""
