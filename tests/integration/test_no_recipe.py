@@ -1,0 +1,23 @@
+"""``state_dict()`` works wherever a framework calls it, with no recipe (issue 56).
+
+Each test runs a framework's own loop and checkpointing with the sharded optimizer written
+as the plain one would be: no ``collective_state_dict=True``, no consolidating callback or
+hook, no ``consolidate_state_dict()`` in user code. The frameworks call ``state_dict()``
+on every rank with nothing consolidated (Ignite's ``Checkpoint`` with ``OSS``, Accelerate's
+``prepare`` and ``save_state``), or on the saving rank only (the HF ``Trainer``; mmengine's
+``CheckpointHook``, and mmengine's own ``ZeroRedundancyOptimizer``, which calls
+``consolidate_state_dict()`` on rank 0 alone). Each must save, resume in fresh processes and
+end equal, bit for bit, to the same framework with the plain ``torch.optim.Adam``.
+
+``test_recipes.py`` keeps the explicit forms (the flag, the callback, the hook); the
+recipes here are ``recipes/*_no_recipe.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_ignite_checkpoint_calls_state_dict_of_oss_on_every_rank(run_recipe):
+    pytest.importorskip("ignite", reason="pip install pytorch-ignite (the integration extra)")
+    run_recipe("ignite_no_recipe")
