@@ -21,3 +21,8 @@ import pytest
 def test_ignite_checkpoint_calls_state_dict_of_oss_on_every_rank(run_recipe):
     pytest.importorskip("ignite", reason="pip install pytorch-ignite (the integration extra)")
     run_recipe("ignite_no_recipe")
+
+
+def test_accelerate_prepare_save_state_and_load_state_with_oss(run_recipe):
+    pytest.importorskip("accelerate", reason="pip install accelerate (the integration extra)")
+    run_recipe("accelerate_no_recipe")
