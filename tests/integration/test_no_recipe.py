@@ -26,3 +26,10 @@ def test_ignite_checkpoint_calls_state_dict_of_oss_on_every_rank(run_recipe):
 def test_accelerate_prepare_save_state_and_load_state_with_oss(run_recipe):
     pytest.importorskip("accelerate", reason="pip install accelerate (the integration extra)")
     run_recipe("accelerate_no_recipe")
+
+
+def test_hf_trainer_saves_oss_from_the_saving_rank_and_resumes(run_recipe):
+    """transformers <= 5.17 fails the resume of a multi-process CPU run whatever the optimizer
+    (docs/integrations.md): the plain-AdamW control then turns the failure into a skip."""
+    pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
+    run_recipe("hf_trainer_no_recipe", control={"RECIPE_OPTIMIZER": "plain"})
