@@ -33,3 +33,15 @@ def test_hf_trainer_saves_oss_from_the_saving_rank_and_resumes(run_recipe):
     (docs/integrations.md): the plain-AdamW control then turns the failure into a skip."""
     pytest.importorskip("transformers", reason="pip install transformers (the integration extra)")
     run_recipe("hf_trainer_no_recipe", control={"RECIPE_OPTIMIZER": "plain"})
+
+
+@pytest.mark.parametrize("route", ["mmengine", "oss_plus"])
+def test_mmengine_checkpoint_hook_saves_zero_from_rank_0(run_recipe, route, monkeypatch):
+    """``mmengine``: mmengine's own ``ZeroRedundancyOptimizer`` after
+    ``oss_plus.compat.torch.install()``; ``oss_plus``: ``OssZeroRedundancyOptimizer`` from
+    oss_plus's registry module. Neither with ``OssConsolidateHook``. The resume needs
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD on torch >= 2.6 whatever the optimizer (the recipe
+    sets it)."""
+    pytest.importorskip("mmengine", reason="pip install mmengine (the integration extra)")
+    monkeypatch.setenv("RECIPE_OPTIMIZER", route)
+    run_recipe("mmengine_no_recipe")
