@@ -195,6 +195,14 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         return self._driver.steps
 
     @property
+    def shard_reads(self) -> Serving:
+        """How other ranks read this rank's shard when one rank reads the whole state alone
+        (``state_dict()`` or ``consolidate_state_dict(r)`` on some ranks: issue 56): the lock
+        :meth:`step` holds around its local step, and the step count the shard is at
+        (:class:`oss_plus.state.pull.Serving`). Read by :mod:`oss_plus.state.pull`."""
+        return self._serving
+
+    @property
     def policy(self) -> ShardPolicy:
         """The :class:`~oss_plus.planning.plan.ShardPolicy` this optimizer was built with."""
         return self._policy
@@ -341,11 +349,11 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         self.drop_consolidated()
         error = evaluate_first(closure, kwargs)  # first, then read what it may replace
         sync, redirect = replan.sync, None
-        copy_hyper(self.param_groups, self.optim.param_groups)
-        if isinstance(sync, BucketSync):  # the exact values of what went compressed are stepped
-            redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
         with self._serving.lock:  # a peer's read of this shard (state/pull.py) sees it whole
             self._serving.keep(self)  # as read, if this rank read the whole state at this step
+            copy_hyper(self.param_groups, self.optim.param_groups)
+            if isinstance(sync, BucketSync):  # the exact values of what went compressed step
+                redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
             loss, error = self._shard.step(kwargs, redirect) if error is None else (None, error)
             self._serving.steps = self._driver.steps + 1
         self._driver.send(sync, self.wire_dtype, error)

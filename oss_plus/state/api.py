@@ -138,9 +138,8 @@ class ShardedStateDict:
                 f"got {recipient_rank}"
             )
         if recipient_rank != ALL_RANKS and self.world_size > 1:  # read by the recipient alone
-            copy_hyper(self.param_groups, self.optim.param_groups)
             if recipient_rank == self.rank:
-                self._read_whole("consolidate_state_dict()")
+                self._read_whole("consolidate_state_dict()", tell=True)
             else:
                 self._consolidated_copy = self._consolidated_extras = None
                 wait_read(self, recipient_rank)
@@ -205,7 +204,6 @@ class ShardedStateDict:
             with _arrival.entry(self.group, what, hint=STATE_DICT_HINT, steps=self.step_count):
                 self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
         if self._consolidated_copy is None:  # read here alone: the other ranks make no call
-            copy_hyper(self.param_groups, self.optim.param_groups)
             self._read_whole("state_dict()")
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
         groups = pack_param_groups(self.param_groups, own_group_keys(self.optim))
@@ -217,10 +215,12 @@ class ShardedStateDict:
             state_dict = attach(state_dict, self._consolidated_extras)
         return self._run_post_hooks(state_dict)
 
-    def _read_whole(self, what: str) -> None:
+    def _read_whole(self, what: str, tell: bool = False) -> None:
         """Read every rank's shard on this rank alone and keep the whole state
-        (:func:`oss_plus.state.pull.read_whole`)."""
-        received, rank_0 = read_whole(self, what)
+        (:func:`oss_plus.state.pull.read_whole`; ``tell``: the ranks waiting in
+        ``consolidate_state_dict`` raise what this read raises)."""
+        received, rank_0 = read_whole(self, what, tell)  # compares the inner groups: then copy
+        copy_hyper(self.param_groups, self.optim.param_groups)
         self._consolidated_copy, self._consolidated_extras = received, self.local_shard.extras()
         self._consolidated_groups = rank_0
 

@@ -93,7 +93,7 @@ class Serving:
         self.kept: tuple[int, dict[str, Any], dict[int, ParamState]] | None = None
         #: Set once the optimizer is built (a peer may read as soon as its own is).
         self.ready = threading.Event()
-        self._reads: Counter[tuple[int, int]] = Counter()
+        self._reads: dict[tuple[int, int], list[str]] = {}
         self._expected: Counter[tuple[int, int]] = Counter()
         self._read = threading.Condition()
 
@@ -123,21 +123,25 @@ class Serving:
         mine, local = snapshot(opt)
         self.kept = (self.steps, mine, {i: _on_cpu(s, i, copy=True) for i, s in local.items()})
 
-    def record(self, caller: int, steps: int) -> None:
-        """Global rank ``caller`` read this shard at ``steps``."""
+    def record(self, caller: int, steps: int, reply: str) -> None:
+        """Global rank ``caller`` read this shard at ``steps`` (its reply keys under ``reply``)."""
         with self._read:
-            self._reads[(caller, steps)] += 1
+            self._reads.setdefault((caller, steps), []).append(reply)
             for key in [k for k in self._reads if k[1] < steps - 1]:
                 del self._reads[key]
             self._read.notify_all()
 
-    def wait_read(self, caller: int, steps: int, seconds: float) -> bool:
+    def wait_read(self, caller: int, steps: int, seconds: float) -> str | None:
         """Wait until ``caller`` read this shard at ``steps`` once more than it was awaited
-        before; False after ``seconds``."""
+        before; return that read's reply prefix (None after ``seconds``)."""
         with self._read:
             self._expected[(caller, steps)] += 1
             want = self._expected[(caller, steps)]
-            return self._read.wait_for(lambda: self._reads[(caller, steps)] >= want, seconds)
+            if not self._read.wait_for(
+                lambda: len(self._reads.get((caller, steps), ())) >= want, seconds
+            ):
+                return None
+            return self._reads[(caller, steps)][want - 1]
 
 
 def plan_print(plan: ShardPlan) -> str:
@@ -151,15 +155,20 @@ def plan_print(plan: ShardPlan) -> str:
 
 def snapshot(opt: Any) -> tuple[dict[str, Any], dict[int, ParamState]]:
     """This rank's digests (:func:`oss_plus.state.agreement.digests`) and local states: call
-    under ``opt``'s step lock."""
+    under ``opt``'s step lock.
+
+    The digests are those of the inner optimizer's groups, which change only in a step (the
+    optimizer's own groups change between steps, at different times on different ranks: a
+    scheduler built on one rank before the other; at the same step count the inner groups
+    differ only by what the inner optimizer keeps per rank, which is what is checked)."""
     shard = opt.local_shard
-    mine = digests(shard.extras(), opt.param_groups, shard.built_groups)
+    mine = digests(shard.extras(), shard.optim.param_groups, shard.built_groups)
     return json.loads(json.dumps(mine)), opt.export_local_state()
 
 
 def answer(opt: Any, request: dict[str, Any], send: serve.Send) -> None:
     """Serve ``opt``'s shard to the read ``request`` (on the server thread)."""
-    serving: Serving = opt._serving  # noqa: SLF001 - the optimizer's own part
+    serving: Serving = opt.shard_reads
     if not serving.ready.wait(float(request.get("timeout", 60.0))):
         send({"error": "gone"}, [])
         return
@@ -182,7 +191,7 @@ def answer(opt: Any, request: dict[str, Any], send: serve.Send) -> None:
             meta[str(index)] = [skeleton, [[str(t.dtype)[6:], list(t.shape)] for t in values]]
             tensors += values
         send({"error": None, "steps": serving.steps, "digests": mine, "meta": meta}, tensors)
-    serving.record(int(request["caller"]), int(request["steps"]))
+    serving.record(int(request["caller"]), int(request["steps"]), str(request["outcome"]))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -221,17 +230,43 @@ def _receive(
     }
 
 
-def read_whole(opt: Any, what: str) -> tuple[dict[int, ParamState], dict[tuple[int, str], Any]]:
+def read_whole(
+    opt: Any, what: str, tell: bool = False
+) -> tuple[dict[int, ParamState], dict[tuple[int, str], Any]]:
     """Every param's whole state (flat index -> state, tensors on CPU) read on this rank alone,
     and the values as built that rank 0 keeps (:func:`as_built_on_rank_0`).
 
     Raises:
         RuntimeError: :data:`NO_SERVICE`, :data:`NO_ANSWER`, :data:`STEPS_DIFFER` or
-            :data:`REFUSED` (on this rank only).
+            :data:`REFUSED` (on this rank; with ``tell``, the ranks waiting in
+            :func:`wait_read` raise it too).
         ValueError: the ranks hold different values where one state dict keeps one
             (:data:`oss_plus.state.agreement.RANKS_DIFFER`).
     """
-    serving: Serving = opt._serving  # noqa: SLF001 - the optimizer's own part
+    nonce = uuid.uuid4().hex
+    try:
+        got = _read_whole(opt, what, nonce)
+    except Exception as exc:
+        if tell:
+            _tell(opt, nonce, {"error": type(exc).__name__, "message": str(exc)})
+        raise
+    if tell:
+        _tell(opt, nonce, {"error": None})
+    return got
+
+
+def _tell(opt: Any, nonce: str, outcome: dict[str, Any]) -> None:
+    """Post how a read ended, for the ranks waiting in :func:`wait_read`."""
+    found = serve.service()
+    if isinstance(found, serve.Service):
+        with found.talk_lock:
+            found.talk.set(f"{serve.PREFIX}/reply/{nonce}/outcome", json.dumps(outcome))
+
+
+def _read_whole(
+    opt: Any, what: str, nonce: str
+) -> tuple[dict[int, ParamState], dict[tuple[int, str], Any]]:
+    serving: Serving = opt.shard_reads
     members, me, plan = group_members(opt.group), opt.rank, opt.plan
     timeout = arrival_timeout()
     seconds = timeout.total_seconds()
@@ -239,7 +274,7 @@ def read_whole(opt: Any, what: str) -> tuple[dict[int, ParamState], dict[tuple[i
     if len(members) > 1 and (isinstance(found, str) or serving.uid is None):
         why = found if isinstance(found, str) else serving.why_not
         raise RuntimeError(NO_SERVICE.format(what=what, why=why))
-    nonce, steps, fingerprint = uuid.uuid4().hex, serving.steps, plan_print(plan)
+    steps, fingerprint = serving.steps, plan_print(plan)
     serving.read_at = steps
     peers = [r for r in range(len(members)) if r != me]
     for r in peers:
@@ -250,6 +285,7 @@ def read_whole(opt: Any, what: str) -> tuple[dict[int, ParamState], dict[tuple[i
             "steps": steps,
             "plan": fingerprint,
             "reply": f"{serve.PREFIX}/reply/{nonce}/{r}",
+            "outcome": f"{serve.PREFIX}/reply/{nonce}/outcome",
             "timeout": seconds,
         }
         found.post(members[r], request)
@@ -317,19 +353,31 @@ def wait_read(opt: Any, recipient: int) -> None:
     Raises:
         RuntimeError: :data:`NOT_READ` after the arrival timeout.
     """
-    serving: Serving = opt._serving  # noqa: SLF001 - the optimizer's own part
+    serving: Serving = opt.shard_reads
     members, timeout = group_members(opt.group), arrival_timeout()
     steps = serving.steps
-    if serving.wait_read(members[recipient], steps, timeout.total_seconds()):
-        return
-    mine = f"in consolidate_state_dict() after {steps} step(s)"  # as the arrival checks say
-    where = positions.where(opt.group, mine, timeout)
-    raise RuntimeError(
-        NOT_READ.format(
-            recipient=recipient,
-            rank=name_rank(members, recipient),
-            steps=steps,
-            seconds=timeout.total_seconds(),
-            where=where,
+    outcome = serving.wait_read(members[recipient], steps, timeout.total_seconds())
+    if outcome is None:
+        mine = f"in consolidate_state_dict() after {steps} step(s)"  # as the arrival checks say
+        where = positions.where(opt.group, mine, timeout)
+        raise RuntimeError(
+            NOT_READ.format(
+                recipient=recipient,
+                rank=name_rank(members, recipient),
+                steps=steps,
+                seconds=timeout.total_seconds(),
+                where=where,
+            )
         )
-    )
+    found = serve.service()
+    if not isinstance(found, serve.Service):
+        return
+    try:
+        with found.talk_lock:
+            found.talk.wait([outcome], timeout)
+            told = json.loads(found.talk.get(outcome))
+    except Exception:  # noqa: BLE001 - the recipient is gone after reading: it raised there
+        told = {"error": "RuntimeError", "message": "it did not say how its read ended"}
+    if told.get("error") is not None:
+        kind = {"ValueError": ValueError, "TypeError": TypeError}.get(told["error"], RuntimeError)
+        raise kind(told.get("message"))  # the recipient's own error, the same on every rank
