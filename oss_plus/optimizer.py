@@ -247,7 +247,9 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             ValueError: an ``"oss_plus.main"`` entry whose size is not its param's.
         """
         with self._serving.lock:  # a peer's read of this shard sees it before or after
+            self._serving.keep(self)  # as read, if this rank read the whole state before
             self._replanner.import_state(states, param_groups, extras)
+            self._serving.loads += 1
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:

@@ -138,6 +138,7 @@ class ShardedStateDict:
                 f"got {recipient_rank}"
             )
         if recipient_rank != ALL_RANKS and self.world_size > 1:  # read by the recipient alone
+            self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
             if recipient_rank == self.rank:
                 self._read_whole("consolidate_state_dict()", tell=True)
             else:
@@ -204,6 +205,7 @@ class ShardedStateDict:
             with _arrival.entry(self.group, what, hint=STATE_DICT_HINT, steps=self.step_count):
                 self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
         if self._consolidated_copy is None:  # read here alone: the other ranks make no call
+            self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
             self._read_whole("state_dict()")
         state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
         groups = pack_param_groups(self.param_groups, own_group_keys(self.optim))

@@ -34,7 +34,7 @@ import torch
 from oss_plus.planning.plan import ShardPlan
 from oss_plus.runtime import positions
 from oss_plus.runtime.arrival import arrival_timeout
-from oss_plus.runtime.dist import group_members, name_rank
+from oss_plus.runtime.dist import error_class, group_members, name_rank, peer_failed
 from oss_plus.state import serve
 from oss_plus.state.agreement import as_built_on_rank_0, differing, digests, raise_differing
 from oss_plus.state.consolidate import CPU, assemble
@@ -58,9 +58,9 @@ NO_ANSWER = (
 )
 #: A peer's shard is at another step than the caller's.
 STEPS_DIFFER = (
-    "{what} on this rank reads every rank's shard as of this rank's step {mine}; {rank} holds "
-    "its shard as of its step {theirs}: it stepped on during the read (without DDP a rank's "
-    "local step runs before the step's sync) or is behind. Call it where no rank steps "
+    "{what} on this rank reads every rank's shard as of this rank's {mine}; {rank} holds "
+    "its shard as of its {theirs}: it stepped on (or loaded a state) during the read (without "
+    "DDP a rank's local step runs before the step's sync) or is behind. Call it where no rank steps "
     "before it returns: with DDP, after a barrier, or call consolidate_state_dict() on "
     "every rank (the other ranks then wait until their shard is read)"
 )
@@ -83,14 +83,17 @@ class Serving:
         self.lock = threading.Lock()
         #: The step count this rank's shard is at (set under :attr:`lock` by ``step()``).
         self.steps = 0
+        #: The loads of a state into this shard (``load_state_dict``, checkpoints), counted
+        #: under :attr:`lock`: a shard is read as of (steps, loads).
+        self.loads = 0
         #: The optimizer's id in its group's service (None: not served; :attr:`why_not`).
         self.uid: str | None = None
         self.why_not = "the optimizer is not served"
         #: The step at which this rank last read the whole state (state_dict() on every rank:
         #: its next step keeps its shard as read, for the peers still reading it).
-        self.read_at: int | None = None
-        #: (steps, digests, states) kept by :meth:`keep`, or None.
-        self.kept: tuple[int, dict[str, Any], dict[int, ParamState]] | None = None
+        self.read_at: list[int] | None = None
+        #: (version, digests, states) kept by :meth:`keep`, or None.
+        self.kept: tuple[list[int], dict[str, Any], dict[int, ParamState]] | None = None
         #: Set once the optimizer is built (a peer may read as soon as its own is).
         self.ready = threading.Event()
         self._reads: dict[tuple[int, int], list[str]] = {}
@@ -111,22 +114,30 @@ class Serving:
             found.register(uid, answer)
             self.uid = uid
 
+    @property
+    def version(self) -> list[int]:
+        """[steps, loads]: what this shard is as of (the same on every rank in step)."""
+        return [self.steps, self.loads]
+
     def keep(self, opt: Any) -> None:
         """Called by ``step()`` under :attr:`lock`, before its local step: when this rank read
         the whole state at this step, keep a host copy of its shard as it is, to serve the
         peers that read it too but later (``state_dict()`` on every rank without DDP: this
         rank's local step runs before the sync waits for them); else drop what was kept.
-        Nothing is read or copied in a step that follows no read."""
-        if self.read_at != self.steps:
-            self.kept = None
+        Nothing is read or copied in a step that follows no read. ``import_local_state``
+        calls it too, before a load."""
+        if self.read_at != self.version:  # kept until a later step: its readers are done
+            if self.kept is not None and self.kept[0][0] < self.steps:
+                self.kept = None
             return
         mine, local = snapshot(opt)
-        self.kept = (self.steps, mine, {i: _on_cpu(s, i, copy=True) for i, s in local.items()})
+        self.kept = (self.version, mine, {i: _on_cpu(s, i, copy=True) for i, s in local.items()})
 
-    def record(self, caller: int, steps: int, reply: str) -> None:
-        """Global rank ``caller`` read this shard at ``steps`` (its reply keys under ``reply``)."""
+    def record(self, caller: int, steps: int, outcome: str) -> None:
+        """Global rank ``caller`` read this shard at ``steps`` to consolidate it (it posts
+        how the read ended under ``outcome``)."""
         with self._read:
-            self._reads.setdefault((caller, steps), []).append(reply)
+            self._reads.setdefault((caller, steps), []).append(outcome)
             for key in [k for k in self._reads if k[1] < steps - 1]:
                 del self._reads[key]
             self._read.notify_all()
@@ -167,31 +178,39 @@ def snapshot(opt: Any) -> tuple[dict[str, Any], dict[int, ParamState]]:
 
 
 def answer(opt: Any, request: dict[str, Any], send: serve.Send) -> None:
-    """Serve ``opt``'s shard to the read ``request`` (on the server thread)."""
+    """Serve ``opt``'s shard to the read ``request`` (on the server thread). A read to
+    consolidate is recorded however it ends: the caller tells this rank how (:func:`wait_read`)."""
     serving: Serving = opt.shard_reads
-    if not serving.ready.wait(float(request.get("timeout", 60.0))):
-        send({"error": "gone"}, [])
+    try:
+        if not serving.ready.wait(float(request.get("timeout", 60.0))):
+            send({"error": "gone"}, [])
+            return
+        with serving.lock:
+            _answer_locked(opt, serving, request, send)
+    finally:
+        if request.get("tell"):
+            serving.record(int(request["caller"]), int(request["steps"]), str(request["outcome"]))
+
+
+def _answer_locked(opt: Any, serving: Serving, request: dict[str, Any], send: serve.Send) -> None:
+    if request.get("plan") != plan_print(opt.plan):
+        send({"error": "plan"}, [])
         return
-    with serving.lock:
-        if request.get("plan") != plan_print(opt.plan):
-            send({"error": "plan"}, [])
-            return
-        kept = serving.kept
-        if kept is not None and kept[0] == request.get("steps") != serving.steps:
-            mine, local = kept[1], kept[2]  # as this rank read it, before its local step
-        elif serving.steps != request.get("steps"):
-            send({"error": "steps", "steps": serving.steps}, [])
-            return
-        else:
-            mine, local = snapshot(opt)
-        meta: dict[str, Any] = {}
-        tensors: list[torch.Tensor] = []
-        for index in sorted(local):
-            skeleton, values = flatten_param_state(local[index], f"state[{index}]")
-            meta[str(index)] = [skeleton, [[str(t.dtype)[6:], list(t.shape)] for t in values]]
-            tensors += values
-        send({"error": None, "steps": serving.steps, "digests": mine, "meta": meta}, tensors)
-    serving.record(int(request["caller"]), int(request["steps"]), str(request["outcome"]))
+    kept, wanted = serving.kept, request.get("version")
+    if kept is not None and kept[0] == wanted != serving.version:
+        mine, local = kept[1], kept[2]  # as this rank read it, before it moved on
+    elif serving.version != wanted:
+        send({"error": "steps", "version": serving.version}, [])
+        return
+    else:
+        mine, local = snapshot(opt)
+    meta: dict[str, Any] = {}
+    tensors: list[torch.Tensor] = []
+    for index in sorted(local):
+        skeleton, values = flatten_param_state(local[index], f"state[{index}]")
+        meta[str(index)] = [skeleton, [[str(t.dtype)[6:], list(t.shape)] for t in values]]
+        tensors += values
+    send({"error": None, "digests": mine, "meta": meta}, tensors)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -245,7 +264,7 @@ def read_whole(
     """
     nonce = uuid.uuid4().hex
     try:
-        got = _read_whole(opt, what, nonce)
+        got = _read_whole(opt, what, nonce, tell)
     except Exception as exc:
         if tell:
             _tell(opt, nonce, {"error": type(exc).__name__, "message": str(exc)})
@@ -264,7 +283,7 @@ def _tell(opt: Any, nonce: str, outcome: dict[str, Any]) -> None:
 
 
 def _read_whole(
-    opt: Any, what: str, nonce: str
+    opt: Any, what: str, nonce: str, tell: bool
 ) -> tuple[dict[int, ParamState], dict[tuple[int, str], Any]]:
     serving: Serving = opt.shard_reads
     members, me, plan = group_members(opt.group), opt.rank, opt.plan
@@ -274,8 +293,8 @@ def _read_whole(
     if len(members) > 1 and (isinstance(found, str) or serving.uid is None):
         why = found if isinstance(found, str) else serving.why_not
         raise RuntimeError(NO_SERVICE.format(what=what, why=why))
-    steps, fingerprint = serving.steps, plan_print(plan)
-    serving.read_at = steps
+    steps, version, fingerprint = serving.steps, serving.version, plan_print(plan)
+    serving.read_at = version
     peers = [r for r in range(len(members)) if r != me]
     for r in peers:
         assert isinstance(found, serve.Service)
@@ -283,6 +302,8 @@ def _read_whole(
             "uid": serving.uid,
             "caller": members[me],
             "steps": steps,
+            "version": version,
+            "tell": tell,
             "plan": fingerprint,
             "reply": f"{serve.PREFIX}/reply/{nonce}/{r}",
             "outcome": f"{serve.PREFIX}/reply/{nonce}/outcome",
@@ -314,7 +335,7 @@ def _read_whole(
             return bytes(data)
 
         head = json.loads(wait(f"{reply}/h"))
-        _check_head(head, what, name_rank(members, r), steps)
+        _check_head(head, what, (members, r, me), version)
         per_rank[r] = head["digests"]
         keyed.update({i * world + r: s for i, s in _receive(svc, reply, head, wait).items()})
     names = differing(per_rank)
@@ -324,13 +345,32 @@ def _read_whole(
     return assemble(keyed, plan, shapes), as_built_on_rank_0(per_rank)
 
 
-def _check_head(head: Mapping[str, Any], what: str, rank: str, steps: int) -> None:
+def _as_of(version: Any) -> str:
+    """``[steps, loads]`` in words."""
+    steps, loads = version
+    return f"step {steps}" + (f" (after {loads} load(s) of a state)" if loads else "")
+
+
+def _check_head(
+    head: Mapping[str, Any], what: str, who: tuple[list[int], int, int], version: list[int]
+) -> None:
+    """Raise what a peer's reply head says went wrong (nothing when it holds the shard)."""
     error = head.get("error")
     if error is None:
         return
+    members, r, me = who
+    rank = name_rank(members, r)
+    if error == "raised":  # its shard cannot travel: its error, as agree() raises a peer's
+        kind = str(head.get("kind"))
+        raise error_class(kind)(
+            f"{peer_failed(members, [r], me)}; global rank {members[r]} raised {kind}: "
+            f"{head.get('message')}"
+        )
     if error == "steps":
         raise RuntimeError(
-            STEPS_DIFFER.format(what=what, mine=steps, rank=rank, theirs=head.get("steps"))
+            STEPS_DIFFER.format(
+                what=what, mine=_as_of(version), rank=rank, theirs=_as_of(head.get("version"))
+            )
         )
     why = {
         "gone": "it holds no such optimizer (collected, or not built there)",

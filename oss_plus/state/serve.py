@@ -229,7 +229,7 @@ class Service:
             logger.warning("serving the optimizer state to a caller failed: %r", exc)
             if not sent:
                 try:
-                    send({"error": "raised", "message": f"{type(exc).__name__}: {exc}"}, [])
+                    send({"error": "raised", "kind": type(exc).__name__, "message": str(exc)}, [])
                 except Exception:  # noqa: BLE001, S110 - the caller is gone: it raised already
                     pass
 
