@@ -32,7 +32,7 @@ from oss_plus.state import copies
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.state.extras import Extras
 from oss_plus.state.index import ParamState, copy_hyper
-from oss_plus.state.pull import Serving
+from oss_plus.state.serving import Serving
 from oss_plus.step import params as _params
 from oss_plus.step.coupling import refuse_cross_param
 from oss_plus.step.driver import StepDriver
@@ -250,6 +250,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
             self._serving.keep(self)  # as read, if this rank read the whole state before
             self._replanner.import_state(states, param_groups, extras)
             self._serving.loads += 1
+            self._serving.changed.notify_all()
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
@@ -358,6 +359,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
                 redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
             loss, error = self._shard.step(kwargs, redirect) if error is None else (None, error)
             self._serving.steps = self._driver.steps + 1
+            self._serving.changed.notify_all()
         self._driver.send(sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss

@@ -87,7 +87,7 @@ def off_by_default_task(ctx, kind):
 
 @pytest.mark.parametrize("kind", EXACT_KINDS)
 def test_without_the_opt_in_state_dict_reads_the_shards_itself(pool, kind):
-    """No collective then: each rank reads the others' shards (issue 56, tests/test_state_read.py)."""
+    """No collective then: each rank reads the others' shards (issue 56, test_state_read.py)."""
     want = reference_state(1)
     for got in pool.run(off_by_default_task, kind, world_size=2):
         assert_same_state(got, want)

@@ -22,7 +22,6 @@ from helpers import (
 
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat.fairscale import ALL_STATES_READ_ONLY, OSS
-from oss_plus.optimizer import NOT_CONSOLIDATED
 
 
 def test_constructor_signature_is_fairscale_0_4_13s():

@@ -25,7 +25,6 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from oss_plus import OSS
 from oss_plus.compat.torch import (
-    NOT_CONSOLIDATED,
     PARAMS_EMPTY,
     ZeroRedundancyOptimizer,
 )
@@ -252,9 +251,7 @@ def test_state_dict_round_trip_with_fused_adamw(pool):
     ref = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     train(model, ref, 2)
     results = pool.run(state_task, ref.state_dict(), world_size=3)
-    for rank, (unchanged, no_none, fused_step, mine, local, bad_to, exact, ref_sd) in enumerate(
-        results
-    ):
+    for unchanged, no_none, fused_step, mine, local, bad_to, exact, ref_sd in results:
         assert unchanged and no_none and fused_step == {"cpu"}
         assert exact, "the reloaded fused AdamW does not step like the plain one"
         assert bad_to == "ValueError"

@@ -20,7 +20,6 @@ from helpers import (
 )
 
 from oss_plus import OSS
-from oss_plus.optimizer import NOT_CONSOLIDATED
 
 
 # ------------------------------------------------------------------ inputs and stepping
@@ -393,7 +392,7 @@ def consolidate_task(ctx, recipient):
 @pytest.mark.parametrize("recipient", [0, 1, -1])
 def test_consolidate_state_dict_on_one_or_all_ranks(pool, recipient):
     results = pool.run(consolidate_task, recipient, world_size=3)
-    for rank, (before, got, equal, _) in enumerate(results):
+    for before, got, equal, _ in results:
         assert before[0] == "ok" and before[1]["state"] == {}  # read here (issue 56): no state yet
         # the recipient consolidated; the others read the shards themselves (issue 56)
         assert got[0] == "ok" and equal, "consolidated state differs from the unsharded one"

@@ -259,8 +259,7 @@ def _thread_cpu(tid):
 
 def threads_task(ctx):
     opts = [
-        OSS(make_model().parameters(), torch.optim.Adam, group=ctx.group, lr=0.01)
-        for _ in range(3)
+        OSS(make_model().parameters(), torch.optim.Adam, group=ctx.group, lr=0.01) for _ in range(3)
     ]
     names = [t.name for t in threading.enumerate()]
     del opts

@@ -199,7 +199,6 @@ _SHARED_ERRORS: dict[str, type[Exception]] = {
 }
 
 
-
 def error_class(kind: str) -> type[Exception]:
     """The exception class a rank raises for a peer's error of type name ``kind``: the same
     for the common types, else RuntimeError (PURE)."""

@@ -19,7 +19,6 @@ from oss_plus.state import torch_callers
 from oss_plus.state.agreement import check_agreed
 from oss_plus.state.consolidate import ALL_RANKS, CPU, whole_states
 from oss_plus.state.extras import Extras, attach, detach
-from oss_plus.state.pull import answer, read_whole, wait_read
 from oss_plus.state.index import (
     ParamState,
     copy_hyper,
@@ -29,6 +28,8 @@ from oss_plus.state.index import (
     saved_state_by_flat_index,
     validate_state_dict,
 )
+from oss_plus.state.pull import read_whole, wait_read
+from oss_plus.state.serving import answer
 from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = ["CONSOLIDATE_HINT", "NOT_CONSOLIDATED", "STATE_DICT_HINT", "ShardedStateDict"]

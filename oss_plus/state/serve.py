@@ -9,8 +9,9 @@ requests in its mailbox, and answers them from the optimizers it holds.
 * **Mailbox.** A caller takes a ticket (``add`` on ``oss_plus/serve/<global rank>/n``) and
   posts its request as JSON under ``oss_plus/serve/<global rank>/<ticket>``; the server reads
   the tickets in order. The request names the optimizer (an id every rank of its group gives
-  the same optimizer: the key of its construction's arrival check), the caller's step count, and a fingerprint of the plan (a request for another optimizer is
-  refused, never answered with the wrong shard).
+  the same optimizer: the key of its construction's arrival check), the caller's version of
+  the shard, and a fingerprint of the plan (a request for another optimizer is refused, never
+  answered with the wrong shard).
 * **Data.** The reply travels through the same store, never pickled: a JSON head (the step count
   the shard is at, the digests of the values one state dict keeps once, the JSON skeleton,
   dtypes and shapes of every state: :mod:`oss_plus.state.nested`), then the tensors' bytes in
@@ -18,8 +19,8 @@ requests in its mailbox, and answers them from the optimizers it holds.
   holds at most ``WINDOW * CHUNK_BYTES`` per transfer). Host memory only: state on a GPU is
   copied to the host tensor by tensor; the training's process group (NCCL or gloo) is never used.
 * **Consistency.** The server reads the shard under the optimizer's step lock (held by
-  ``step()`` around its local step only, not during the sync) and answers with the step count
-  the shard is at. A shard at another step than the caller's is refused (:mod:`oss_plus.state.pull`).
+  ``step()`` around its local step only, not during the sync), as of the caller's version
+  (:mod:`oss_plus.state.serving`); a shard at another step is refused.
 * **Threads and connections.** The server and the callers of a process each use their own
   connection to the store (``Store.clone()``, torch >= 2.8; a new ``TCPStore`` client to the
   same host and port before), so a blocked wait never holds the training's connection.
@@ -35,6 +36,7 @@ requests in its mailbox, and answers them from the optimizers it holds.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import threading
@@ -57,9 +59,9 @@ logger = logging.getLogger(__name__)
 #: Where the mailboxes and replies live in the default store.
 PREFIX = "oss_plus/serve"
 #: Bytes per chunk of a reply.
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 2 << 20
 #: How many chunks a server writes ahead of the caller's acknowledgements.
-WINDOW = 4
+WINDOW = 2
 #: How long the server waits in one ``store.wait`` before waiting again (idle: no CPU).
 _IDLE_WAIT = timedelta(hours=1)
 #: How long a stop waits for the server thread.
@@ -89,22 +91,24 @@ def _clone(store: Any) -> Any:
 
 def shard_chunks(tensors: list[torch.Tensor], size: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The bytes of ``tensors`` (in order, each as its host copy's raw bytes), in chunks of
-    ``size`` bytes (the last one shorter)."""
-    buffer = bytearray()
+    ``size`` bytes (the last one shorter). One chunk is built at a time (one copy of its bytes)."""
+    parts: list[memoryview] = []
+    held = 0
     for tensor in tensors:
         if tensor.numel() == 0:
             continue
         host = tensor.detach().reshape(-1).contiguous().cpu()
         view = memoryview(host.view(torch.uint8).numpy())
         while len(view):
-            take = min(size - len(buffer), len(view))
-            buffer += view[:take]
+            take = min(size - held, len(view))
+            parts.append(view[:take])
+            held += take
             view = view[take:]
-            if len(buffer) == size:
-                yield bytes(buffer)
-                buffer.clear()
-    if buffer:
-        yield bytes(buffer)
+            if held == size:
+                yield b"".join(parts)
+                parts, held = [], 0
+    if parts:
+        yield b"".join(parts)
 
 
 #: How a reply is sent: ``send(head, tensors)`` (the head a JSON-able dict; the tensors whose
@@ -228,10 +232,8 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - told to the caller, which raises it
             logger.warning("serving the optimizer state to a caller failed: %r", exc)
             if not sent:
-                try:
+                with contextlib.suppress(Exception):  # the caller is gone: it raised already
                     send({"error": "raised", "kind": type(exc).__name__, "message": str(exc)}, [])
-                except Exception:  # noqa: BLE001, S110 - the caller is gone: it raised already
-                    pass
 
     def _send(
         self, reply: str, head: dict[str, Any], tensors: list[torch.Tensor], timeout: timedelta
