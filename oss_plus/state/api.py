@@ -208,7 +208,9 @@ class ShardedStateDict:
         if self._consolidated_copy is None:  # read here alone: the other ranks make no call
             self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
             self._read_whole("state_dict()")
-        state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
+        copy = self._consolidated_copy
+        assert copy is not None  # consolidated above, or read here
+        state = {i: dict(copy[i]) for i in sorted(copy)}
         groups = pack_param_groups(self.param_groups, own_group_keys(self.optim))
         for (g, key), value in self._consolidated_groups.items():
             if key in groups[g]:

@@ -199,7 +199,7 @@ def _read_whole(
                 raise RuntimeError(
                     NO_ANSWER.format(what=what, rank=name, seconds=seconds)
                 ) from None
-            return data  # type: ignore[no-any-return]
+            return data
 
         head = json.loads(wait(f"{reply}/h"))
         _check_head(head, what, (members, r, me), version)

@@ -82,9 +82,7 @@ def _clone(store: Any) -> Any:
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
     if isinstance(base, dist.TCPStore):  # torch < 2.8: a client to the same server
-        client = dist.TCPStore(
-            base.host, base.port, is_master=False, wait_for_workers=False, timeout=base.timeout
-        )
+        client = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False)
         return dist.PrefixStore(PREFIX, client)
     return None
 
@@ -98,7 +96,7 @@ def shard_chunks(tensors: list[torch.Tensor], size: int = CHUNK_BYTES) -> Iterat
         if tensor.numel() == 0:
             continue
         host = tensor.detach().reshape(-1).contiguous().cpu()
-        view = memoryview(host.view(torch.uint8).numpy())
+        view = memoryview(host.view(torch.uint8).numpy())  # type: ignore[arg-type]
         while len(view):
             take = min(size - held, len(view))
             parts.append(view[:take])
