@@ -42,8 +42,11 @@ def main() -> None:
     rise = peak_mib() - before
     dist.barrier()
     state_mib = 2 * params * 4 / 2**20
-    print(f"{mode} rank {rank}: peak RSS +{rise:.0f} MiB (whole Adam state {state_mib:.0f} MiB), "
-          f"{took:.2f} s, got {'whole' if sd is not None else 'nothing'}", flush=True)
+    print(
+        f"{mode} rank {rank}: peak RSS +{rise:.0f} MiB (whole Adam state {state_mib:.0f} MiB), "
+        f"{took:.2f} s, got {'whole' if sd is not None else 'nothing'}",
+        flush=True,
+    )
     del sd
     dist.destroy_process_group()
 

@@ -22,6 +22,7 @@ from helpers import (
 
 from oss_plus.compat._base import CompatOSS
 from oss_plus.compat.fairscale import ALL_STATES_READ_ONLY, OSS
+from oss_plus.optimizer import NOT_CONSOLIDATED
 
 
 def test_constructor_signature_is_fairscale_0_4_13s():
@@ -155,23 +156,19 @@ def all_states_task(ctx):
     opt.consolidate_state_dict(recipient_rank=-1)
     train(model, opt, 1, start=2)
     out["after_step"] = catch(opt.state_dict)
-    torch.distributed.barrier(group=ctx.group)  # each rank's optimizer lives until all read
     return out
 
 
 def test_all_states_is_fairscales_per_rank_format(pool):
     results = pool.run(all_states_task, world_size=3)
     for rank, r in enumerate(results):
-        # nothing consolidated: state_dict() reads the shards itself (issue 56), where
-        # fairscale raises; what it holds is as of the step (dropped at the next step)
-        assert r["before"][0] == "ok" and r["before"][1]["state"] == {}
-        assert r["after_step"][0] == "ok" and r["after_step"][1]["state"][0]["step"] == 3
+        assert r["before"] == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank))
+        assert r["after_step"][0] == "RuntimeError"  # dropped at the next step
         assert r["assign_list"] == ("ValueError", ALL_STATES_READ_ONLY.format(kind="list"))
-        assert r["dropped"][0] == "ok" and r["sd"][0] == "ok"
-        assert r["dropped"][1]["state"].keys() == r["sd"][1]["state"].keys()
         if rank != 1:
-            assert r["all_states"] == []
+            assert r["all_states"] == [] and r["sd"][0] == "RuntimeError"
             continue
+        assert r["dropped"][0] == "RuntimeError"
         sd = r["sd"][1]
         assert len(r["all_states"]) == 3
         for local, groups in zip(r["all_states"], r["partition"]):

@@ -21,8 +21,12 @@ from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
 from oss_plus.runtime.arrival import ARRIVAL_TIMEOUT_ENV
 from oss_plus.state import pull, serve
+from oss_plus.state.api import NOT_CONSOLIDATED
 
 KINDS = ["oss", "fairscale", "torch"]
+#: The classes whose state_dict() reads without a consolidation first (the fairscale adapter
+#: keeps fairscale's contract: tests/test_collective_state_dict.py).
+READING_KINDS = ["oss", "torch"]
 
 
 def build(kind, model, ctx, **extra):
@@ -72,7 +76,7 @@ def one_rank_task(ctx, kind, rule):
 
 
 @pytest.mark.parametrize("rule", [None, "flat"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", READING_KINDS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_on_one_rank_alone_is_the_unsharded_state(pool, kind, world, rule):
     if rule == "flat" and kind != "oss":
@@ -94,11 +98,74 @@ def every_rank_task(ctx, kind):
     return got
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", READING_KINDS)
 def test_state_dict_on_every_rank_without_consolidation(pool, kind):
     want = reference_state(3)
     for got in pool.run(every_rank_task, kind, world_size=3):
         assert_same_state(got, want)
+
+
+# ------------------------------------------------------------------ every rank, many chunks
+def big_model():
+    torch.manual_seed(0)  # 3 x 1024 x 1024: each rank's Adam shard spans more than WINDOW chunks
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(3)])
+
+
+def big_loss(model, step):
+    x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(step))
+    return model(x).pow(2).mean()
+
+
+def big_every_rank_task(ctx, rounds):
+    model = big_model()
+    opt = OSS(model.parameters(), torch.optim.Adam, group=ctx.group, lr=0.01)
+    found = serve.service()
+    post = found.post
+    if ctx.rank == 1:  # slow between its requests (a descheduled thread): rank 3's requests
+        # reach rank 1's server while rank 1 still posts, after rank 1's reached rank 0's
+
+        def slow_post(to, request):
+            post(to, request)
+            time.sleep(0.2)
+
+        found.post = slow_post
+    got = []
+    os.environ[ARRIVAL_TIMEOUT_ENV] = "15"
+    try:
+        for step in range(rounds):
+            train(model, opt, 1, start=step, loss_fn=big_loss)
+            dist.barrier(group=ctx.group)  # every rank reads every other one at the same time
+            if ctx.rank == 3:
+                time.sleep(0.1)
+            state = opt.state_dict()
+            got.append({i: {k: v.clone() for k, v in s.items()} for i, s in state["state"].items()})
+            dist.barrier(group=ctx.group)
+    finally:
+        del os.environ[ARRIVAL_TIMEOUT_ENV]
+        found.__dict__.pop("post", None)
+    return got
+
+
+def test_every_rank_reading_shards_of_many_chunks_at_once_completes(pool):
+    """Each server holds its rank's step lock while it sends a shard of several chunks. A
+    reader that took its own lock after its requests were out waited on its own server, busy
+    sending to a peer (3) that waited on a server (0) busy sending to this reader (1): a
+    cycle, until the store's timeout. Rank 1 posts slowly and rank 3 starts late to make it."""
+    rounds = 3
+    shard_bytes = 3 * 1024 * 1024 * 2 * 4 // 4  # exp_avg and exp_avg_sq in fp32, on 4 ranks
+    assert shard_bytes > serve.WINDOW * serve.CHUNK_BYTES
+    model = big_model()
+    ref = torch.optim.Adam(model.parameters(), lr=0.01)
+    want = []
+    for step in range(rounds):
+        train(model, ref, 1, start=step, loss_fn=big_loss)
+        want.append(copy.deepcopy(ref.state_dict()["state"]))
+    for got in pool.run(big_every_rank_task, rounds, world_size=4):
+        for mine, theirs in zip(got, want):
+            assert sorted(mine) == sorted(theirs)
+            for i in theirs:
+                for key, value in theirs[i].items():
+                    assert torch.equal(mine[i][key], value), (i, key)
 
 
 # ------------------------------------------------------------------ consolidate
@@ -274,3 +341,23 @@ def test_messages_name_what_to_do():
     assert "consolidate_state_dict() on every rank" in pull.STEPS_DIFFER
     assert "OSS_PLUS_ARRIVAL_TIMEOUT" in pull.NO_ANSWER
     assert "state_dict(all_ranks=True)" in pull.NO_SERVICE
+
+
+def unrecognised_checkpoint_task(ctx):
+    model = make_model()
+    opt = OSS(model.parameters(), torch.optim.Adam, group=ctx.group, lr=0.01)
+    train(model, opt, 1)
+    # a function of torch.distributed.checkpoint that oss_plus does not recognise (a torch
+    # whose DCP functions differ): it would take a whole state for this rank's shard
+    caller = {"__name__": "torch.distributed.checkpoint.state_dict"}
+    exec("def get(opt):\n    return opt.state_dict()\n", caller)  # noqa: S102 - its module name
+    got = catch(caller["get"], opt)
+    mine = catch(lambda: len(opt.state_dict()["state"]))  # a user's call still reads
+    dist.barrier(group=ctx.group)
+    return got, mine
+
+
+def test_an_unrecognised_checkpoint_caller_is_refused_not_given_the_whole_state(pool):
+    for rank, (got, mine) in enumerate(pool.run(unrecognised_checkpoint_task, world_size=2)):
+        assert got == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank))
+        assert mine == ("ok", len(reference_state(1)["state"]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.state import dcp as _dcp
@@ -34,8 +34,9 @@ from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = ["CONSOLIDATE_HINT", "NOT_CONSOLIDATED", "STATE_DICT_HINT", "ShardedStateDict"]
 
-#: What :meth:`ShardedStateDict.state_dict` raised when nothing was consolidated on this rank,
-#: before it read the other ranks' shards itself (issue 56); kept for code that names it.
+#: What :meth:`ShardedStateDict.state_dict` raises when nothing was consolidated on this rank
+#: and the class keeps fairscale's contract (``_reads_unconsolidated`` False: the fairscale
+#: adapter); ``oss_plus.OSS`` reads the other ranks' shards itself instead (issue 56).
 NOT_CONSOLIDATED = (
     "the optimizer state has not been consolidated on this rank: call "
     "consolidate_state_dict(recipient_rank={rank}) on every rank first, or "
@@ -60,6 +61,10 @@ class ShardedStateDict:
     _consolidated_copy: dict[int, ParamState] | None = None
     _consolidated_extras: Extras | None = None
     _consolidated_groups: dict[tuple[int, str], Any] = {}  # noqa: RUF012 - replaced, never changed
+    #: ``state_dict()`` with nothing consolidated on this rank reads the other ranks' shards
+    #: (True), or raises :data:`NOT_CONSOLIDATED` (False: fairscale's contract, which its own
+    #: test suite pins).
+    _reads_unconsolidated: ClassVar[bool] = True
     # provided by oss_plus.OSS
     group: Any
     rank: int
@@ -186,9 +191,14 @@ class ShardedStateDict:
         Args:
             all_ranks: consolidate on every rank first (collective).
 
+        With nothing consolidated on this rank otherwise, this rank alone reads every other
+        rank's shard as of its own step (their server threads answer; they make no call), so
+        a framework may call ``state_dict()`` on one rank or on every rank with no recipe.
+
         Raises:
-            RuntimeError: nothing was consolidated on this rank, or (collective mode) some
-                rank did not call.
+            RuntimeError: a peer's shard could not be read (:mod:`oss_plus.state.pull` names
+                why), nothing was consolidated here and the class keeps fairscale's contract
+                (``_reads_unconsolidated`` False), or (collective mode) some rank did not call.
 
         .. warning:: Collective: call on every rank of ``group`` when ``all_ranks`` is True,
             or ``collective_state_dict`` is True and nothing was consolidated here.
@@ -205,6 +215,11 @@ class ShardedStateDict:
         if all_ranks:
             with _arrival.entry(self.group, what, hint=STATE_DICT_HINT, steps=self.step_count):
                 self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
+        if self._consolidated_copy is None and (
+            not self._reads_unconsolidated or torch_callers.from_checkpoint()
+        ):  # fairscale's contract, or DCP's flow on a torch whose functions differ: DCP
+            # would take a whole state for this rank's shard
+            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         if self._consolidated_copy is None:  # read here alone: the other ranks make no call
             self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
             self._read_whole("state_dict()")

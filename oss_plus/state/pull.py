@@ -160,8 +160,18 @@ def _read_whole(
     if len(members) > 1 and (isinstance(found, str) or serving.uid is None):
         why = found if isinstance(found, str) else serving.why_not
         raise RuntimeError(NO_SERVICE.format(what=what, why=why))
-    steps, version, fingerprint = serving.steps, serving.version, plan_print(plan)
-    serving.read_at = version
+    fingerprint = plan_print(plan)
+    # this rank's own shard first, before any request is out: this rank's server may hold
+    # the lock while it sends to a peer, and a peer waiting on a reply from this rank could
+    # then wait on this rank's lock in turn (a cycle). With no lock taken once the requests
+    # are out, and every reader reading its peers in the same (ascending) order, a server
+    # blocked on a reader's acknowledgement waits on a reader at a peer no higher than
+    # itself, which waits on a lower one in turn, or reads it: no cycle.
+    with serving.lock:
+        steps, version = serving.steps, serving.version
+        serving.read_at = version
+        mine, local = snapshot(opt)
+        local = {i: on_cpu(s, i) for i, s in local.items()}
     peers = [r for r in range(len(members)) if r != me]
     for r in peers:
         assert isinstance(found, serve.Service)
@@ -177,9 +187,6 @@ def _read_whole(
             "timeout": seconds,
         }
         found.post(members[r], request)
-    with serving.lock:
-        mine, local = snapshot(opt)
-        local = {i: on_cpu(s, i) for i, s in local.items()}
     per_rank: list[Any] = [None] * len(members)
     per_rank[me] = mine
     world = plan.world_size
