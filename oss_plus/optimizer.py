@@ -32,6 +32,7 @@ from oss_plus.state import copies
 from oss_plus.state.api import NOT_CONSOLIDATED, ShardedStateDict
 from oss_plus.state.extras import Extras
 from oss_plus.state.index import ParamState, copy_hyper
+from oss_plus.state.serving import Serving
 from oss_plus.step import params as _params
 from oss_plus.step.coupling import refuse_cross_param
 from oss_plus.step.driver import StepDriver
@@ -135,7 +136,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         **defaults: Any,
     ) -> None:
         self.group = _dist.resolve_group(group)
-        _arrival.check_arrival(self.group, f"{type(self).__name__}()")  # on some ranks: raise
+        arrival = _arrival.check_arrival(self.group, f"{type(self).__name__}()")  # some: raise
         if replicate_group is not None:  # before anything else: a mistake raises everywhere
             hybrid.check_groups(self.group, replicate_group)
         #: The ranks holding the same shard (hybrid sharding), or None.
@@ -147,6 +148,8 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.global_rank = _dist.global_rank(self.group, self.rank)
+        self._serving = Serving()  # before the collective checks: no peer reads before
+        self._serving.start(arrival, self._answer_read)  # served under the id every rank has
         self.broadcast_fp16 = broadcast_fp16
         self.broadcast_dtype = broadcast_dtype
         self.force_broadcast_object = force_broadcast_object
@@ -170,6 +173,7 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         copy_hyper(self.optim.param_groups, self.param_groups)
         self._replanner = Replanner(self._shard, self._policy, self.group, self._driver)
         self._initialized = True
+        self._serving.ready.set()
 
     @property
     def optim(self) -> Optimizer:
@@ -189,6 +193,14 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         the same count: the collective entry points compare it and raise when it differs
         (:data:`oss_plus.runtime.arrival.STEPS_DIFFER`). Read-only, not saved in state."""
         return self._driver.steps
+
+    @property
+    def shard_reads(self) -> Serving:
+        """How other ranks read this rank's shard when one rank reads the whole state alone
+        (``state_dict()`` or ``consolidate_state_dict(r)`` on some ranks: issue 56): the lock
+        :meth:`step` holds around its local step, and the step count the shard is at
+        (:class:`oss_plus.state.pull.Serving`). Read by :mod:`oss_plus.state.pull`."""
+        return self._serving
 
     @property
     def policy(self) -> ShardPolicy:
@@ -234,7 +246,11 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         Raises:
             ValueError: an ``"oss_plus.main"`` entry whose size is not its param's.
         """
-        self._replanner.import_state(states, param_groups, extras)
+        with self._serving.lock:  # a peer's read of this shard sees it before or after
+            self._serving.keep(self)  # as read, if this rank read the whole state before
+            self._replanner.import_state(states, param_groups, extras)
+            self._serving.loads += 1
+            self._serving.changed.notify_all()
         self.drop_consolidated()
 
     def repartition(self, plan: ShardPlan | None = None, *, pin: bool = False) -> None:
@@ -336,10 +352,14 @@ class OSS(PlanViews, ScalerContract, PieceGrads, ShardedClip, ShardedStateDict, 
         self.drop_consolidated()
         error = evaluate_first(closure, kwargs)  # first, then read what it may replace
         sync, redirect = replan.sync, None
-        copy_hyper(self.param_groups, self.optim.param_groups)
-        if isinstance(sync, BucketSync):  # the exact values of what went compressed are stepped
-            redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
-        loss, error = self._shard.step(kwargs, redirect) if error is None else (None, error)
+        with self._serving.lock:  # a peer's read of this shard (state/pull.py) sees it whole
+            self._serving.keep(self)  # as read, if this rank read the whole state at this step
+            copy_hyper(self.param_groups, self.optim.param_groups)
+            if isinstance(sync, BucketSync):  # the exact values of what went compressed step
+                redirect = sync.restore(self.wire_dtype, stepped=self._shard.stepped)
+            loss, error = self._shard.step(kwargs, redirect) if error is None else (None, error)
+            self._serving.steps = self._driver.steps + 1
+            self._serving.changed.notify_all()
         self._driver.send(sync, self.wire_dtype, error)
         copy_hyper(self.optim.param_groups, self.param_groups)
         return loss

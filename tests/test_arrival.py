@@ -37,7 +37,9 @@ def _sdp_refresh(opt, sdp, path):
 
 #: name in the error -> (optimizer kind, the call made by some ranks, then by every rank)
 ENTRY_POINTS = {
-    "consolidate_state_dict()": ("oss", lambda opt, sdp, path: opt.consolidate_state_dict()),
+    # on every rank (-1) it is collective; to one rank, that rank reads alone (issue 56,
+    # tests/test_state_read.py)
+    "consolidate_state_dict()": ("oss", lambda opt, sdp, path: opt.consolidate_state_dict(-1)),
     "state_dict(all_ranks=True)": ("oss", lambda opt, sdp, path: opt.state_dict(True)),
     "refresh_trainable()": ("oss", lambda opt, sdp, path: opt.refresh_trainable()),
     "repartition()": ("oss", lambda opt, sdp, path: opt.repartition()),
@@ -56,11 +58,11 @@ ENTRY_POINTS = {
     "load_checkpoint()": ("oss", lambda opt, sdp, path: load_checkpoint(opt, path)),
     "fairscale consolidate_state_dict()": (
         "fairscale",
-        lambda opt, sdp, path: opt.consolidate_state_dict(recipient_rank=0),
+        lambda opt, sdp, path: opt.consolidate_state_dict(recipient_rank=-1),
     ),
     "torch consolidate_state_dict()": (
         "torch",
-        lambda opt, sdp, path: opt.consolidate_state_dict(to=0),
+        lambda opt, sdp, path: opt.consolidate_state_dict(to=-1),
     ),
     "ShardedDataParallel.refresh_trainable()": ("sdp", _sdp_refresh),
 }
@@ -180,7 +182,11 @@ def different_calls_task(ctx, tag):
     backward(model, 1)
     with short_arrival():
         # rank 0 consolidates, rank 1 clips
-        got = catch(opt.consolidate_state_dict) if ctx.rank == 0 else catch(opt.clip_grad_norm, 1.0)
+        got = (
+            catch(opt.consolidate_state_dict, -1)
+            if ctx.rank == 0
+            else catch(opt.clip_grad_norm, 1.0)
+        )
         store = _arrival._store()
         store.add(f"{tag}/done", 1)  # both failed (else rank 1 could still meet rank 0 there)
         wait_for(store, f"{tag}/done", 2)

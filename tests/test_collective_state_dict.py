@@ -17,7 +17,7 @@ from oss_plus.compat import fairscale
 from oss_plus.compat import torch as torch_compat
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime.positions import NOT_REPORTED as NO_CALL
-from oss_plus.state.api import STATE_DICT_HINT
+from oss_plus.state.api import NOT_CONSOLIDATED, STATE_DICT_HINT
 
 KINDS = ["oss", "fairscale", "torch"]
 #: The same, for the tests that compare with the unsharded Adam bit for bit: the fairscale
@@ -80,13 +80,24 @@ def off_by_default_task(ctx, kind):
     model = make_model()
     opt = build(kind, model, ctx)
     train(model, opt, 1)
-    return catch(opt.state_dict)
+    got = catch(lambda: copy.deepcopy(opt.state_dict()))
+    torch.distributed.barrier(group=ctx.group)  # each rank's optimizer lives until all read
+    return got
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_without_the_opt_in_state_dict_still_needs_a_consolidation(pool, kind):
-    for name, message in pool.run(off_by_default_task, kind, world_size=2):
-        assert name == "RuntimeError" and "consolidate_state_dict" in message
+@pytest.mark.parametrize("kind", ["oss", "torch"])
+def test_without_the_opt_in_state_dict_reads_the_shards_itself(pool, kind):
+    """No collective then: each rank reads the others' shards (issue 56, test_state_read.py)."""
+    want = reference_state(1)
+    for name, got in pool.run(off_by_default_task, kind, world_size=2):
+        assert name == "ok", got
+        assert_same_state(got, want)
+
+
+def test_without_the_opt_in_the_fairscale_adapter_keeps_fairscales_contract(pool):
+    """fairscale raises unless consolidated first (its own suite pins it): so does the adapter."""
+    for rank, got in enumerate(pool.run(off_by_default_task, "fairscale", world_size=2)):
+        assert got == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank))
 
 
 # ------------------------------------------------------------------ one rank calls

@@ -25,7 +25,6 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from oss_plus import OSS
 from oss_plus.compat.torch import (
-    NOT_CONSOLIDATED,
     PARAMS_EMPTY,
     ZeroRedundancyOptimizer,
 )
@@ -241,6 +240,7 @@ def state_task(ctx, sd):
     mine = catch(opt.state_dict)
     local = opt._all_state_dicts
     bad_to = catch(opt.consolidate_state_dict, to=ctx.world_size)[0]
+    torch.distributed.barrier(group=ctx.group)  # each rank's optimizer lives until all read
     return unchanged, no_none, fused_step, mine, local, bad_to, params_exact, ref.state_dict()
 
 
@@ -251,15 +251,13 @@ def test_state_dict_round_trip_with_fused_adamw(pool):
     ref = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     train(model, ref, 2)
     results = pool.run(state_task, ref.state_dict(), world_size=3)
-    for rank, (unchanged, no_none, fused_step, mine, local, bad_to, exact, ref_sd) in enumerate(
-        results
-    ):
+    for unchanged, no_none, fused_step, mine, local, bad_to, exact, ref_sd in results:
         assert unchanged and no_none and fused_step == {"cpu"}
         assert exact, "the reloaded fused AdamW does not step like the plain one"
         assert bad_to == "ValueError"
-        if rank != 1:
-            assert mine == ("RuntimeError", NOT_CONSOLIDATED.format(rank=rank)) and local == []
-            continue
+        # rank 1 consolidated; the others read the shards themselves (issue 56), where
+        # torch's class raises
+        assert mine[0] == "ok"
         sd = mine[1]
         assert state_equal(sd, ref_sd), "consolidated state differs from the plain AdamW's"
         assert len(local) == 3 and sorted(sd["state"]) == list(range(8))

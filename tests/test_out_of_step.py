@@ -127,6 +127,12 @@ def fresh(ctx, ranks) -> None:
     dist.barrier(group=ctx.group)
 
 
+#: Rank 1's error in ``consolidate_state_dict()`` when rank 0 never reads its shard (issue 56).
+NOT_READ_BY = (
+    "consolidate_state_dict(recipient_rank=0) on this rank waits until global rank {first} "
+)
+
+
 def check_skipped(name, results, members):
     """Rank 0 of the pair made one step more; each rank names where the other is."""
     (kind0, text0, took0, steps0), (kind1, text1, took1, steps1) = results
@@ -136,12 +142,14 @@ def check_skipped(name, results, members):
     ahead, behind = 3 + (mistake == "twice"), 3 - (mistake == "skip")
     if kind == "attach":  # rank 0's last step returned with its sync in flight
         assert steps0 == ahead and steps1 == behind and kind1 == "RuntimeError"
-        for text in (text0, text1):
-            assert text.startswith(
-                "consolidate_state_dict() was called on every rank of the process group, but "
-                f"after different numbers of step() (global rank {first} after {ahead} "
-                f"step(s), global rank {second} after {behind} step(s))"
-            ), text
+        # rank 0 waits first for its last step's sync, which rank 1 never joins
+        assert text0.startswith(
+            f"step() is collective, but the parameter sync of this rank's step {ahead} "
+        ), text0
+        assert f"global rank {second} is in consolidate_state_dict() after {behind} step(s)" in (
+            text0
+        )
+        assert text1.startswith(NOT_READ_BY.format(first=first)), text1
         return
     if kind in ("sdp", "ddp"):  # caught at the first step out of step: the next backward()
         ahead = 2 + (mistake == "twice")
@@ -162,7 +170,7 @@ def check_skipped(name, results, members):
         assert f"global rank {second} is in consolidate_state_dict() after {behind} step(s)" in (
             text0
         )
-        assert text1.startswith("consolidate_state_dict() is collective but only 1 of the 2")
+        assert text1.startswith(NOT_READ_BY.format(first=first)), text1
     assert f"global rank {first} is in step() (its step {ahead})" in text1, text1
 
 

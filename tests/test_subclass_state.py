@@ -243,6 +243,7 @@ def refused_task(ctx, kind, root):
             put(opt, lambda t: Unlisted(t, 2.0))
         else:
             put(opt, lambda t: t.as_subclass(Opaque))
+    torch.distributed.barrier(group=ctx.group)  # rank 0 reads rank 1's shard (issue 56) after
     outcomes = {
         "consolidate": _outcome(lambda: opt.consolidate_state_dict(0)),
         "all_ranks": _outcome(lambda: opt.state_dict(all_ranks=True)),

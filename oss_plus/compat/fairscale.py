@@ -88,8 +88,16 @@ class OSS(CompatOSS):
         >>> opt.consolidate_state_dict(recipient_rank=0)  # doctest: +SKIP
         >>> if opt.rank == 0: torch.save(opt.state_dict(), "optim.pt")  # doctest: +SKIP
 
+    .. note:: As fairscale's, ``state_dict()`` raises unless ``consolidate_state_dict()``
+        ran first (on every rank, or on the recipient alone, which reads the other ranks'
+        shards here instead of hanging) or ``collective_state_dict=True``: fairscale's
+        contract, which its own test suite pins. :class:`oss_plus.OSS` and the torch adapter
+        read the other ranks' shards themselves (``docs/integrations.md``).
+
     .. warning:: Collective: construct on every rank of ``group``.
     """
+
+    _reads_unconsolidated = False
 
     def __init__(
         self,

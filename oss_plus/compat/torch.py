@@ -54,7 +54,6 @@ from oss_plus.planning.partition import Rule
 from oss_plus.planning.policy import Layout, ShardPolicy
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.runtime import dist as _dist
-from oss_plus.state.torch_callers import GET, torch_options
 from oss_plus.step import params as _params
 
 __all__ = [
@@ -77,7 +76,8 @@ OVERLAP_BUCKET_VIEW = (
     "`parameters_as_bucket_view=True` will be ignored since `overlap_with_ddp=True`; instead, "
     "a different bucketing strategy will be used"
 )
-#: Raised by :meth:`ZeroRedundancyOptimizer.state_dict` without a prior consolidation here.
+#: What :meth:`ZeroRedundancyOptimizer.state_dict` raised without a prior consolidation here,
+#: before it read the other ranks' shards itself (issue 56); kept for code that names it.
 NOT_CONSOLIDATED = (
     "the optimizer state has not been consolidated on this rank: call "
     "consolidate_state_dict(to={rank}) on every rank first"
@@ -328,19 +328,17 @@ class ZeroRedundancyOptimizer(CompatOSS, Joinable):
         super().consolidate_state_dict(recipient_rank=to)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Return the consolidated state in the plain ``torch.optim`` format (tensors on CPU).
+        """Return the whole state in the plain ``torch.optim`` format (tensors on CPU).
 
-        With ``collective_state_dict=True`` it consolidates on every rank instead of raising
-        (collective then; see :meth:`oss_plus.OSS.state_dict`).
+        Where torch's class raises unless :meth:`consolidate_state_dict` ran on every rank
+        first, this one reads the other ranks' shards itself when nothing was consolidated
+        here (on this rank alone, or on every rank: :meth:`oss_plus.OSS.state_dict`); with
+        ``collective_state_dict=True`` it consolidates on every rank (collective then).
 
         Raises:
-            RuntimeError: :meth:`consolidate_state_dict` was not called for this rank since
-                the last step (and ``collective_state_dict`` is False), or some rank did not
-                call a collective ``state_dict()``.
+            RuntimeError: a peer's shard could not be read (see :mod:`oss_plus.state.pull`),
+                or some rank did not call a collective ``state_dict()``.
         """
-        from_dcp = torch_options(GET) is not None  # torch's get_*state_dict
-        if self.consolidated_state is None and not self.collective_state_dict and not from_dcp:
-            raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
         return super().state_dict()
 
 

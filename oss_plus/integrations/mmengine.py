@@ -15,12 +15,15 @@ in a config) registers:
   keeps the best checkpoint. Its priority (``LOW``) runs it before ``CheckpointHook``
   (``VERY_LOW``) on the same event; :meth:`OssConsolidateHook.before_train` checks that order.
 
-Resuming needs nothing: ``Runner.resume`` loads the full state on every rank, and
-``load_state_dict`` keeps each rank's shard. ``docs/integrations.md`` has the recipe.
+Neither is needed any more (issue 56): ``state_dict()`` on rank 0 alone reads the other
+ranks' shards itself (:mod:`oss_plus.state.pull`), so mmengine's default ``CheckpointHook``
+saves an ``OssZeroRedundancyOptimizer`` as it is, and mmengine's own
+``ZeroRedundancyOptimizer`` (whose ``state_dict`` consolidates on rank 0 alone) works after
+:func:`oss_plus.compat.torch.install`. The hook stays as the explicit form: it consolidates on
+every rank, and no rank steps on before its shard is read.
 
-mmengine's own ``ZeroRedundancyOptimizer`` cannot save under mmengine (its ``state_dict``
-consolidates on rank 0 alone and waits for the process-group timeout), with torch's class
-or, after :func:`oss_plus.compat.torch.install`, with oss_plus's: use the names above.
+Resuming needs nothing: ``Runner.resume`` loads the full state on every rank, and
+``load_state_dict`` keeps each rank's shard. ``docs/integrations.md`` has both forms.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Raised by :meth:`OssZeroRedundancyOptimizer.state_dict` when nothing consolidated first.
+#: What :meth:`OssZeroRedundancyOptimizer.state_dict` raised when nothing was consolidated
+#: first, before ``state_dict()`` read the other ranks' shards itself (issue 56); kept for
+#: code that names it.
 NOT_CONSOLIDATED_MMENGINE = (
     "OssZeroRedundancyOptimizer.state_dict() on rank {rank} without a consolidation: mmengine "
     "saves from rank 0 only, and gathering the sharded state needs every rank. Add "
@@ -102,14 +107,8 @@ class OssZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
         super().__init__(params, "" if chosen is None else chosen, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The consolidated state (see the adapter); with none on this rank, an error that
-        names the hook to add.
-
-        Raises:
-            RuntimeError: :data:`NOT_CONSOLIDATED_MMENGINE`.
-        """
-        if self.consolidated_state is None and not self.collective_state_dict:
-            raise RuntimeError(NOT_CONSOLIDATED_MMENGINE.format(rank=self.rank))
+        """The whole state (see the adapter): on rank 0 alone, where mmengine saves, it reads
+        the other ranks' shards itself (issue 56); ``OssConsolidateHook`` is not needed."""
         return super().state_dict()
 
 

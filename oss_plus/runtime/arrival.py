@@ -179,9 +179,12 @@ def check_arrival(
     *,
     hint: str = "",
     steps: int | None = None,
-) -> None:
+) -> str | None:
     """Return once every rank of ``group`` called this with the same ``what`` (and the same
-    ``steps``); else raise, naming where the other ranks are.
+    ``steps``); else raise, naming where the other ranks are. Returns the store key every
+    rank arrived at (the same on every rank, new at every call: an id of the call, e.g. of an
+    optimizer built on every rank), or None where nothing was checked (world size 1, or no
+    store exposed).
 
     Args:
         group: the process group (None: WORLD).
@@ -201,7 +204,7 @@ def check_arrival(
     store = _store()
     world = dist.get_world_size(group)
     if store is None or world == 1:
-        return
+        return None
     timeout = arrival_timeout() if timeout is None else timeout
     ranks = _ranks(group)
     me = ranks[dist.get_rank(group)]
@@ -221,6 +224,7 @@ def check_arrival(
         for i, suffix in enumerate(("count", "decision")):
             if i % world == position:
                 store.delete_key(f"{last}/{suffix}")
+    return key
 
 
 def _arrive(

@@ -198,6 +198,13 @@ _SHARED_ERRORS: dict[str, type[Exception]] = {
     )
 }
 
+
+def error_class(kind: str) -> type[Exception]:
+    """The exception class a rank raises for a peer's error of type name ``kind``: the same
+    for the common types, else RuntimeError (PURE)."""
+    return _SHARED_ERRORS.get(kind, RuntimeError)
+
+
 T = TypeVar("T")
 
 
@@ -321,7 +328,7 @@ def agree(
     if error is not None:
         raise error
     kind, _, message = messages[failed[0]].decode("utf-8", "replace").partition(": ")
-    cls = _SHARED_ERRORS.get(kind, RuntimeError)
+    cls = error_class(kind)
     members = group_members(group)
     head = peer_failed(members, failed, dist.get_rank(group))
     raise cls(f"{head}; global rank {members[failed[0]]} raised {kind}: {message}")

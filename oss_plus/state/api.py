@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from oss_plus.runtime import arrival as _arrival
 from oss_plus.state import dcp as _dcp
@@ -28,11 +28,15 @@ from oss_plus.state.index import (
     saved_state_by_flat_index,
     validate_state_dict,
 )
+from oss_plus.state.pull import read_whole, wait_read
+from oss_plus.state.serving import answer
 from oss_plus.wire.main.region import MAIN_KEY
 
 __all__ = ["CONSOLIDATE_HINT", "NOT_CONSOLIDATED", "STATE_DICT_HINT", "ShardedStateDict"]
 
-#: Raised by :meth:`ShardedStateDict.state_dict` when nothing was consolidated on this rank.
+#: What :meth:`ShardedStateDict.state_dict` raises when nothing was consolidated on this rank
+#: and the class keeps fairscale's contract (``_reads_unconsolidated`` False: the fairscale
+#: adapter); ``oss_plus.OSS`` reads the other ranks' shards itself instead (issue 56).
 NOT_CONSOLIDATED = (
     "the optimizer state has not been consolidated on this rank: call "
     "consolidate_state_dict(recipient_rank={rank}) on every rank first, or "
@@ -57,6 +61,10 @@ class ShardedStateDict:
     _consolidated_copy: dict[int, ParamState] | None = None
     _consolidated_extras: Extras | None = None
     _consolidated_groups: dict[tuple[int, str], Any] = {}  # noqa: RUF012 - replaced, never changed
+    #: ``state_dict()`` with nothing consolidated on this rank reads the other ranks' shards
+    #: (True), or raises :data:`NOT_CONSOLIDATED` (False: fairscale's contract, which its own
+    #: test suite pins).
+    _reads_unconsolidated: ClassVar[bool] = True
     # provided by oss_plus.OSS
     group: Any
     rank: int
@@ -135,6 +143,14 @@ class ShardedStateDict:
                 f"recipient_rank must be -1 (all ranks) or a rank in [0, {self.world_size}), "
                 f"got {recipient_rank}"
             )
+        if recipient_rank != ALL_RANKS and self.world_size > 1:  # read by the recipient alone
+            self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
+            if recipient_rank == self.rank:
+                self._read_whole("consolidate_state_dict()", tell=True)
+            else:
+                self._consolidated_copy = self._consolidated_extras = None
+                wait_read(self, recipient_rank)
+            return
         steps = self.step_count
         with _arrival.entry(
             self.group, "consolidate_state_dict()", hint=CONSOLIDATE_HINT, steps=steps
@@ -175,9 +191,14 @@ class ShardedStateDict:
         Args:
             all_ranks: consolidate on every rank first (collective).
 
+        With nothing consolidated on this rank otherwise, this rank alone reads every other
+        rank's shard as of its own step (their server threads answer; they make no call), so
+        a framework may call ``state_dict()`` on one rank or on every rank with no recipe.
+
         Raises:
-            RuntimeError: nothing was consolidated on this rank, or (collective mode) some
-                rank did not call.
+            RuntimeError: a peer's shard could not be read (:mod:`oss_plus.state.pull` names
+                why), nothing was consolidated here and the class keeps fairscale's contract
+                (``_reads_unconsolidated`` False), or (collective mode) some rank did not call.
 
         .. warning:: Collective: call on every rank of ``group`` when ``all_ranks`` is True,
             or ``collective_state_dict`` is True and nothing was consolidated here.
@@ -194,9 +215,17 @@ class ShardedStateDict:
         if all_ranks:
             with _arrival.entry(self.group, what, hint=STATE_DICT_HINT, steps=self.step_count):
                 self.consolidate_state_dict(-1)  # positional: the torch adapter names it `to`
-        if self._consolidated_copy is None:
+        if self._consolidated_copy is None and (
+            not self._reads_unconsolidated or torch_callers.from_checkpoint()
+        ):  # fairscale's contract, or DCP's flow on a torch whose functions differ: DCP
+            # would take a whole state for this rank's shard
             raise RuntimeError(NOT_CONSOLIDATED.format(rank=self.rank))
-        state = {i: dict(self._consolidated_copy[i]) for i in sorted(self._consolidated_copy)}
+        if self._consolidated_copy is None:  # read here alone: the other ranks make no call
+            self.settle()  # type: ignore[attr-defined]  # the last step's sync and status first
+            self._read_whole("state_dict()")
+        copy = self._consolidated_copy
+        assert copy is not None  # consolidated above, or read here
+        state = {i: dict(copy[i]) for i in sorted(copy)}
         groups = pack_param_groups(self.param_groups, own_group_keys(self.optim))
         for (g, key), value in self._consolidated_groups.items():
             if key in groups[g]:
@@ -205,6 +234,20 @@ class ShardedStateDict:
         if self._consolidated_extras is not None:  # the inner class's own format
             state_dict = attach(state_dict, self._consolidated_extras)
         return self._run_post_hooks(state_dict)
+
+    def _read_whole(self, what: str, tell: bool = False) -> None:
+        """Read every rank's shard on this rank alone and keep the whole state
+        (:func:`oss_plus.state.pull.read_whole`; ``tell``: the ranks waiting in
+        ``consolidate_state_dict`` raise what this read raises)."""
+        received, rank_0 = read_whole(self, what, tell)  # compares the inner groups: then copy
+        copy_hyper(self.param_groups, self.optim.param_groups)
+        self._consolidated_copy, self._consolidated_extras = received, self.local_shard.extras()
+        self._consolidated_groups = rank_0
+
+    def _answer_read(self, request: dict[str, Any], send: Any) -> None:
+        """Serve this rank's shard to another rank's read (on the server thread,
+        :mod:`oss_plus.state.serve`)."""
+        answer(self, request, send)
 
     def _dcp_state_dict(self, options: Any) -> dict[str, Any]:
         """``state_dict()`` as torch's ``get_*state_dict`` asked for it (``options``)."""

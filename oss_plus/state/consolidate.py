@@ -33,7 +33,7 @@ from oss_plus.state.index import ParamState
 from oss_plus.state.nested import flatten_param_state, unflatten_value
 from oss_plus.state.pieces import stitch_state
 
-__all__ = ["Transfer", "exchange_states", "whole_states", "ALL_RANKS"]
+__all__ = ["ALL_RANKS", "Transfer", "assemble", "exchange_states", "whole_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +275,16 @@ def whole_states(
     rank = dist.get_rank(group)
     keyed = {i * world + rank: s for i, s in local_states.items()}
     received = exchange_states(keyed, transfers, group, out_device=out_device)
+    return assemble(received, plan, shapes)
+
+
+def assemble(
+    received: Mapping[int, ParamState], plan: ShardPlan, shapes: Sequence[torch.Size]
+) -> dict[int, ParamState]:
+    """The whole states of the pieces in ``received`` (keyed ``index * world_size + owner``
+    under ``plan``): a param held whole is its owner's state, a split one is stitched
+    (:func:`oss_plus.state.pieces.stitch_state`)."""
+    world, by_index = plan.world_size, plan.by_index
     parts: dict[int, list[tuple[int, int, ParamState]]] = {}
     for key in sorted(received):
         i, owner = divmod(key, world)

@@ -18,7 +18,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-__all__ = ["GET", "LOAD", "PROBE", "for_full_load", "torch_options"]
+__all__ = ["GET", "LOAD", "PROBE", "for_full_load", "from_checkpoint", "torch_options"]
 
 #: torch's callers: ``state_dict()`` from ``get_*state_dict``, ``load_state_dict()`` from
 #: ``set_*state_dict``, ``state`` read by ``_init_optim_state``.
@@ -56,6 +56,14 @@ def torch_options(kind: str) -> Any | None:
     if frame is None or code is None or frame.f_code is not code:
         return None
     return True if kind == PROBE else frame.f_locals.get("info", True)
+
+
+def from_checkpoint() -> bool:
+    """Whether the first caller outside oss_plus is code of ``torch.distributed.checkpoint``
+    (recognised by :func:`torch_options` or not: a torch whose functions differ)."""
+    frame = _torch_frame(sys._getframe(1))
+    name = str(frame.f_globals.get("__name__", "")) if frame is not None else ""
+    return name.startswith("torch.distributed.checkpoint")
 
 
 def for_full_load() -> bool:

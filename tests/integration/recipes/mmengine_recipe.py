@@ -92,11 +92,12 @@ model_wrapper_cfg = dict(type="MMDistributedDataParallel", device_ids=None)  # C
 # [/recipe]
 
 
-def runner(out: str, name: str, plain: bool = False, **resume) -> Runner:
+def runner(out: str, name: str, plain: bool = False, config: str = CONFIG, **resume) -> Runner:
+    """A ``Runner`` from ``config`` (this recipe's by default) written as a file."""
     path = os.path.join(out, "config.py")
     if dist.get_rank() == 0:
-        with open(path, "w") as config:
-            config.write(CONFIG)
+        with open(path, "w") as file:
+            file.write(config)
     dist.barrier()
     cfg = Config.fromfile(path)
     cfg.work_dir = os.path.join(out, name)
