@@ -630,6 +630,9 @@ def no_pickled_tensors_task(ctx, recipient):
 
     dist.all_gather_object, serve.shard_chunks = gather_object, chunks
     try:
+        # every rank counts before any read goes out: a server answers as soon as a request
+        # arrives, so a rank still patching would serve uncounted
+        dist.barrier(group=ctx.group)
         opt.consolidate_state_dict(recipient_rank=recipient)
         dist.barrier(group=ctx.group)
     finally:
