@@ -105,6 +105,31 @@ def test_state_dict_on_every_rank_without_consolidation(pool, kind):
         assert_same_state(got, want)
 
 
+def odd_chunks_task(ctx, size):
+    model = make_model()
+    opt = build("oss", model, ctx)
+    train(model, opt, 3)
+    old = serve.CHUNK_BYTES
+    serve.CHUNK_BYTES = size  # chunks end mid-element and mid-tensor; a tensor spans several
+    os.environ[ARRIVAL_TIMEOUT_ENV] = "15"
+    try:
+        got = opt.state_dict()
+        dist.barrier(group=ctx.group)
+    finally:
+        serve.CHUNK_BYTES = old
+        del os.environ[ARRIVAL_TIMEOUT_ENV]
+    return got
+
+
+def test_the_reply_is_cut_and_counted_in_the_same_chunk_size(pool):
+    """The server announces its chunk count and cuts the bytes with one size: the count once
+    came from CHUNK_BYTES and the cut from a default bound when the module loaded, so any other
+    size left the reader waiting for chunks that never came."""
+    want = reference_state(3)
+    for got in pool.run(odd_chunks_task, 61, world_size=2):
+        assert_same_state(got, want)
+
+
 # ------------------------------------------------------------------ every rank, many chunks
 def big_model():
     torch.manual_seed(0)  # 3 x 1024 x 1024: each rank's Adam shard spans more than WINDOW chunks
