@@ -61,7 +61,7 @@ PREFIX = "oss_plus/serve"
 #: Bytes per chunk of a reply. The allocator keeps a few freed chunks' worth of buffers (the
 #: bytes the store's client returns): with 2 MiB chunks a read on every rank held 10-14 MiB
 #: more than ``state_dict(all_ranks=True)`` at 16M and 64M Adam params on 3 ranks, with
-#: 512 KiB 2-3 MiB, at the same time (256 KiB: 1-2 MiB, 30% slower at 64M).
+#: 512 KiB 1-4 MiB, at the same time (256 KiB: 1-2 MiB, 30% slower at 64M).
 CHUNK_BYTES = 512 << 10
 #: How many chunks a server writes ahead of the caller's acknowledgements.
 WINDOW = 2
@@ -90,7 +90,7 @@ def _clone(store: Any) -> Any:
     return None
 
 
-def shard_chunks(tensors: list[torch.Tensor], size: int = CHUNK_BYTES) -> Iterator[bytes]:
+def shard_chunks(tensors: list[torch.Tensor], size: int) -> Iterator[bytes]:
     """The bytes of ``tensors`` (in order, each as its host copy's raw bytes), in chunks of
     ``size`` bytes (the last one shorter). One chunk is built at a time (one copy of its bytes)."""
     parts: list[memoryview] = []
@@ -239,9 +239,10 @@ class Service:
     def _send(
         self, reply: str, head: dict[str, Any], tensors: list[torch.Tensor], timeout: timedelta
     ) -> None:
-        chunks = shard_chunks(tensors, CHUNK_BYTES) if head.get("error") is None else iter(())
+        size = CHUNK_BYTES  # read once: the count announced and the cut use the same size
+        chunks = shard_chunks(tensors, size) if head.get("error") is None else iter(())
         sizes = sum(t.numel() * t.element_size() for t in tensors) if tensors else 0
-        head["chunks"] = -(-sizes // CHUNK_BYTES) if head.get("error") is None else 0
+        head["chunks"] = -(-sizes // size) if head.get("error") is None else 0
         self.listen.set(f"{reply}/h", json.dumps(head))
         for j, chunk in enumerate(chunks):
             if j >= WINDOW:
